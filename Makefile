@@ -1,0 +1,39 @@
+# Every target that needs Python depends on `install`, so on a fresh clone `make train` or
+# `make test` alone sets everything up first.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+NPROC  ?= 2
+
+.DEFAULT_GOAL := help
+.PHONY: help install train test test-fast lint shards bench clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+install: $(STAMP) ## Create .venv/ and install the package editable with its dev extras
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev,slurm]'
+	touch $(STAMP)
+
+train: install ## Default job: small_cnn on digits, 2 ranks (NPROC=2) on CPU, gloo, W&B offline
+	$(PY) train.py dist.nproc=$(NPROC)
+
+test: install ## Run the whole test suite (W&B offline)
+	WANDB_MODE=offline $(PY) -m pytest
+
+test-fast: install ## Only the fast tests (no slow end-to-end runs)
+	WANDB_MODE=offline $(PY) -m pytest -m "not slow"
+
+lint: install ## ruff
+	$(VENV)/bin/ruff check .
+
+shards: install ## Draw the 11-samples-on-2-ranks picture for each sampler mode (docs/shards.png)
+	$(PY) -m ddp_template.shard_plot --out docs/shards.png
+
+clean: ## Remove run outputs and caches (keeps .venv/)
+	rm -rf outputs multirun .pytest_cache .ruff_cache .hypothesis
+	find . -name __pycache__ -not -path './.venv/*' -prune -exec rm -rf {} +

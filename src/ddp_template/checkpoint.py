@@ -1,0 +1,268 @@
+"""Atomic checkpoints, resume, and preemption (SIGTERM/SIGUSR1 → checkpoint → requeue).
+
+A checkpoint holds everything an uninterrupted run would still have in memory: weights,
+optimizer, schedule, GradScaler, the step and the sampler position within the epoch, and the
+RNG states of every rank. Restoring all of it makes a resumed run bit-identical to one that was
+never stopped. Files are written to a temporary name, flushed to disk and renamed over the old
+one, so a crash mid-write never replaces a good checkpoint with half a file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from ddp_template.distributed import DistInfo, broadcast_object, gather_objects
+from ddp_template.engine import TrainState, Trainer
+from ddp_template.errors import ConfigError
+
+log = logging.getLogger("ddp_template")
+FORMAT_VERSION = 1
+
+
+def save_atomic(payload: dict[str, Any], path: Path) -> None:
+    """Write to ``<path>.tmp``, fsync, then rename over ``path`` (atomic on POSIX)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def load(path: Path) -> dict[str, Any]:
+    """Load with ``weights_only=True``: a checkpoint file cannot run code."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ConfigError(
+            f"checkpoint {path} cannot be read ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:100]}); it is damaged or not a checkpoint of this "
+            f"template: pass another file with resume=<path>, or resume=never to start fresh."
+        ) from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
+        raise ConfigError(
+            f"checkpoint {path} is not a format-{FORMAT_VERSION} checkpoint of this template; "
+            f"pass another file with resume=<path>, or resume=never to start fresh."
+        )
+    return payload
+
+
+def _rng_state() -> dict[str, Any]:
+    """This rank's RNG states as plain bytes/ints: they travel through all_gather_object and
+    load under ``weights_only=True``."""
+    np_state = np.random.get_state()
+    py_version, py_state, _ = random.getstate()
+    state = {"torch": torch.get_rng_state().numpy().tobytes(), "python": list(py_state),
+             "python_version": py_version, "numpy": np_state[1].tobytes(),
+             "numpy_pos": int(np_state[2])}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
+    return state
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(_bytes_tensor(state["torch"]))
+    random.setstate((state["python_version"], tuple(state["python"]), None))
+    np_keys = np.frombuffer(state["numpy"], dtype=np.uint32).copy()
+    np.random.set_state(("MT19937", np_keys, state["numpy_pos"], 0, 0.0))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_bytes_tensor(state["cuda"]))
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def _epoch_number(path: Path) -> int:
+    m = re.fullmatch(r"epoch_(\d+)\.pt", path.name)
+    return int(m.group(1)) if m else -1
+
+
+@dataclass
+class Checkpointer:
+    """Rank 0 writes; every rank contributes its RNG state (a collective: call on all ranks)."""
+
+    directory: Path
+    every_steps: int
+    keep: int
+    enabled: bool
+    info: DistInfo
+
+    def payload(self, tr: Trainer, state: TrainState, cfg: DictConfig,
+                wandb_ids: list[str]) -> dict[str, Any]:
+        rngs = gather_objects(_rng_state(), self.info)
+        return {
+            "format": FORMAT_VERSION, "model": _unwrap(tr.model).state_dict(),
+            "optimizer": tr.optimizer.state_dict(), "scheduler": tr.scheduler.state_dict(),
+            "scaler": tr.scaler.state_dict(), "epoch": state.epoch, "step": state.step,
+            "position": state.position, "sampler": tr.sampler.state_dict(state.position),
+            "rng": rngs, "world_size": self.info.world_size, "wandb_ids": wandb_ids,
+            "config": OmegaConf.to_yaml(cfg),
+        }
+
+    def save(self, tr: Trainer, state: TrainState, cfg: DictConfig, wandb_ids: list[str],
+             epoch_end: bool = False) -> Path | None:
+        if not self.enabled:
+            return None
+        payload = self.payload(tr, state, cfg, wandb_ids)
+        path = self.directory / "last.pt"
+        if self.info.is_main:
+            save_atomic(payload, path)
+            if epoch_end and self.keep > 0:
+                save_atomic(payload, self.directory / f"epoch_{state.epoch}.pt")
+                self._prune()
+        if self.info.distributed:
+            dist.barrier()  # nobody runs ahead (or exits) before the file is in place
+        return path
+
+    def due(self, step: int) -> bool:
+        return self.enabled and self.every_steps > 0 and step % self.every_steps == 0
+
+    def _prune(self) -> None:
+        epochs = sorted(self.directory.glob("epoch_*.pt"), key=_epoch_number)
+        for old in epochs[: max(0, len(epochs) - self.keep)]:
+            old.unlink()
+
+
+def candidates(directory: Path) -> list[Path]:
+    """Checkpoints in a run dir, newest first: last.pt, then epoch_<k>.pt by k descending."""
+    epochs = sorted(directory.glob("epoch_*.pt"), key=_epoch_number, reverse=True)
+    last = directory / "last.pt"
+    return ([last] if last.exists() else []) + epochs
+
+
+def find_resume(resume: str, directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint to resume from, already loaded; damaged ones are reported and skipped.
+
+    ``never``: start fresh. ``auto``: the newest valid checkpoint in the run directory, or
+    none. Anything else is a path that must load. Nothing is ever deleted here.
+    """
+    if resume == "never":
+        return None
+    if resume != "auto":
+        path = Path(resume).expanduser()
+        if not path.is_file():
+            raise ConfigError(
+                f"resume={resume} is not a file; give a checkpoint path, resume=auto or "
+                f"resume=never."
+            )
+        return path, load(path)
+    for path in candidates(directory):
+        try:
+            return path, load(path)
+        except ConfigError as exc:
+            log.warning("%s Trying an older checkpoint.", exc)
+    return None
+
+
+def check_compatible(payload: dict[str, Any], path: Path, info: DistInfo) -> None:
+    if payload["world_size"] != info.world_size:
+        raise ConfigError(
+            f"checkpoint {path} was written with world size {payload['world_size']} but this run "
+            f"has {info.world_size} ranks; resume with {payload['world_size']} ranks "
+            f"(dist.nproc / --nproc-per-node), or start fresh with resume=never."
+        )
+
+
+def restore(payload: dict[str, Any], path: Path, tr: Trainer, state: TrainState,
+            info: DistInfo) -> None:
+    """Put every piece back where it was; refuse a checkpoint this run cannot continue."""
+    check_compatible(payload, path, info)
+    try:
+        tr.sampler.load_state_dict(payload["sampler"])
+    except ValueError as exc:
+        raise ConfigError(f"checkpoint {path}: {exc}") from None
+    try:
+        _unwrap(tr.model).load_state_dict(payload["model"])
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"checkpoint {path} holds a different model ({str(exc).splitlines()[0][:100]}); "
+            f"resume with the model config it was written with, or resume=never."
+        ) from None
+    tr.optimizer.load_state_dict(payload["optimizer"])
+    tr.scheduler.load_state_dict(payload["scheduler"])
+    tr.scaler.load_state_dict(payload["scaler"])
+    state.epoch, state.step, state.position = payload["epoch"], payload["step"], payload[
+        "position"]
+    _set_rng_state(payload["rng"][info.rank])
+
+
+def resume_rank0(resume: str, directory: Path, info: DistInfo) -> tuple[Path, dict] | None:
+    """Rank 0 picks the checkpoint and every rank loads that same file (no split decisions)."""
+    found = find_resume(resume, directory) if info.is_main else None
+    chosen = broadcast_object(str(found[0]) if found else None, info)
+    if chosen is None:
+        return None
+    if found is not None:
+        return found
+    return Path(chosen), load(Path(chosen))
+
+
+class Preemption:
+    """SIGTERM/SIGUSR1 set a flag; all ranks agree to stop at the same step boundary.
+
+    The flag is all-reduced asynchronously: the reduce started after step k is read after
+    step k+1, so no step ever waits on it, and every rank sees the same answer at the same step.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, info: DistInfo) -> None:
+        self.info = info
+        # A CPU-side gloo group even under nccl: reading the flag then never syncs the GPU.
+        self.group = None
+        if info.backend == "nccl":
+            self.group = dist.new_group(backend="gloo")
+        self.flag = torch.zeros(1, dtype=torch.int32)
+        self._pending: Any = None
+        self._buf = torch.zeros(1, dtype=torch.int32)
+        self._installed: dict[int, Any] = {}
+        for sig in self.SIGNALS:
+            self._installed[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        log.warning("received %s: checkpointing at the next step boundary",
+                    signal.Signals(signum).name)
+        self.flag.fill_(1)
+
+    def requested(self) -> bool:
+        """Called once per step on every rank."""
+        if not self.info.distributed:
+            return bool(self.flag.item())
+        stop = False
+        if self._pending is not None:
+            self._pending.wait()
+            stop = bool(self._buf.item())
+        self._buf.copy_(self.flag)
+        self._pending = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group,
+                                        async_op=True)
+        return stop
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        for sig, old in self._installed.items():
+            signal.signal(sig, old)

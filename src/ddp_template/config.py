@@ -1,0 +1,277 @@
+"""Dataclass schemas for every config group, registered in Hydra's ConfigStore.
+
+The YAML files under ``conf/`` name one of these schemas in their defaults list, so a
+misspelled key, a wrong type or an unknown enum value fails at composition time with Hydra's
+own message, before any process starts. Closed sets of choices are ``str`` enums: they compare
+equal to their plain string value, so ``cfg.sampler.mode == "padded"`` reads naturally.
+
+Open groups (``model``, ``data``) are typed ``Any`` at the top level: the built-in options are
+validated by their own schema, while a user's own ``_target_`` YAML needs no schema at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class SamplerMode(str, Enum):
+    padded = "padded"
+    drop_last = "drop_last"
+    sequential = "sequential"
+
+
+class Permutation(str, Enum):
+    auto = "auto"
+    randperm = "randperm"
+    feistel = "feistel"
+
+
+class BackendName(str, Enum):
+    auto = "auto"
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class AmpMode(str, Enum):
+    off = "off"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Schedule(str, Enum):
+    none = "none"
+    cosine = "cosine"
+
+
+class WandbMode(str, Enum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+@dataclass
+class SamplerConfig:
+    mode: SamplerMode = SamplerMode.padded
+    shuffle: bool = True
+    seed: int | None = None  # None: the top-level seed
+    permutation: Permutation = Permutation.auto
+    # The DataLoader's own drop_last (drop a rank's last incomplete batch), not the sampler's.
+    drop_last_batch: bool = False
+
+
+@dataclass
+class BackendConfig:
+    name: BackendName = BackendName.auto
+    timeout_s: int = 600
+
+
+@dataclass
+class SyncBNConfig:
+    enabled: bool = False
+
+
+@dataclass
+class AmpConfig:
+    mode: AmpMode = AmpMode.off
+    init_scale: float = 65536.0  # fp16 GradScaler only
+    growth_interval: int = 2000  # fp16 GradScaler only
+
+
+@dataclass
+class SmallCNNConfig:
+    _target_: str = "ddp_template.models.small_cnn"
+    width: int = 32
+    depth: int = 2
+    dropout: float = 0.0
+
+
+@dataclass
+class ResNet18Config:
+    _target_: str = "ddp_template.models.resnet18"
+    zero_init_residual: bool = False
+
+
+@dataclass
+class TorchvisionModelConfig:
+    _target_: str = "ddp_template.models.torchvision_model"
+    name: str = "mobilenet_v3_small"
+    min_image_size: int = 32
+
+
+@dataclass
+class DigitsConfig:
+    _target_: str = "ddp_template.data.datasets.digits"
+    test_fraction: float = 0.2
+    split_seed: int = 0
+
+
+@dataclass
+class SyntheticConfig:
+    _target_: str = "ddp_template.data.datasets.synthetic"
+    size: int = 4096
+    eval_size: int = 1024
+    channels: int = 3
+    image_size: int = 32
+    num_classes: int = 10
+    noise: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class TorchvisionDataConfig:
+    _target_: str = MISSING
+    root: str = "${paths.data_root}"
+    download: bool = True
+
+
+@dataclass
+class ImageFolderConfig:
+    _target_: str = "ddp_template.data.datasets.imagefolder"
+    path: str = MISSING  # holds train/ and val/ class folders
+    image_size: int = 64
+
+
+@dataclass
+class ArrayConfig:
+    _target_: str = "ddp_template.data.array.array_dataset"
+    path: str = MISSING  # .npz with x_train/y_train/x_test/y_test, or a folder of train/test .csv
+    image_shape: list[int] | None = None
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"
+    lr: float = 0.1
+    weight_decay: float = 5e-4
+    momentum: float = 0.9  # sgd
+    nesterov: bool = True  # sgd
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
+    schedule: Schedule = Schedule.cosine
+    warmup_steps: int = 0
+    grad_clip: float | None = None  # max global grad norm; None: no clipping
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "wandb"  # wandb | none
+    mode: WandbMode = WandbMode.offline
+    project: str = "ddp-template"
+    entity: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DistConfig:
+    nproc: int = 1  # ranks started in-process when no outer launcher (torchrun, SLURM) is used
+    max_restarts: int = 0  # elastic restarts of all workers after a failure (like torchrun's)
+    start_method: str = "spawn"
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0  # also save every N optimizer steps (0: at epoch ends only)
+    keep: int = 0  # keep this many epoch_<k>.pt files besides last.pt (0: none)
+    enabled: bool = True
+
+
+@dataclass
+class FaultConfig:
+    """Testing aids: crash or signal a rank at a global step. Off by default."""
+
+    crash_at_step: int | None = None
+    rank: int = 0
+    signal: str | None = None  # e.g. SIGTERM: send it instead of raising
+    attempt: int = 0  # only on this elastic restart attempt (so the restart can finish)
+
+
+@dataclass
+class PathsConfig:
+    output_root: str = "outputs"
+    multirun_root: str = "multirun"
+    data_root: str = "data"
+
+
+@dataclass
+class Config:
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    syncbn: SyncBNConfig = field(default_factory=SyncBNConfig)
+    amp: AmpConfig = field(default_factory=AmpConfig)
+    model: Any = MISSING
+    data: Any = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    seed: int = 0
+    epochs: int = 10  # 0: evaluate the initial (or resumed) model without training
+    batch_size: int = 32  # per rank: the global batch is batch_size x world size
+    eval_batch_size: int = 256  # per rank
+    num_workers: int = 0  # DataLoader workers per rank
+    max_steps_per_epoch: int | None = None  # cap each epoch at this many steps (smoke runs)
+    log_every: int = 10  # steps between interval logs
+    resume: str = "auto"  # auto | never | <path to a checkpoint>
+    shard_report_max_n: int = 10_000_000  # exact coverage/overlap report up to this many samples
+
+
+def register_configs() -> None:
+    """Register the schemas; idempotent, called before Hydra composes."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    groups: dict[str, dict[str, Any]] = {
+        "sampler": {"sampler_schema": SamplerConfig},
+        "backend": {"backend_schema": BackendConfig},
+        "syncbn": {"syncbn_schema": SyncBNConfig},
+        "amp": {"amp_schema": AmpConfig},
+        "optim": {"optim_schema": OptimConfig},
+        "logger": {"logger_schema": LoggerConfig},
+        "model": {
+            "small_cnn_schema": SmallCNNConfig,
+            "resnet18_schema": ResNet18Config,
+            "torchvision_schema": TorchvisionModelConfig,
+        },
+        "data": {
+            "digits_schema": DigitsConfig,
+            "synthetic_schema": SyntheticConfig,
+            "torchvision_schema": TorchvisionDataConfig,
+            "imagefolder_schema": ImageFolderConfig,
+            "array_schema": ArrayConfig,
+        },
+    }
+    for group, schemas in groups.items():
+        for name, node in schemas.items():
+            cs.store(group=group, name=name, node=node)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        from ddp_template.errors import ConfigError
+
+        raise ConfigError(message)
+
+
+def validate(cfg: Any) -> None:
+    """Meaning beyond types, checked at startup before any process group exists."""
+    from ddp_template.distributed import choose_backend
+
+    for key in ("batch_size", "eval_batch_size", "log_every"):
+        _require(cfg[key] >= 1, f"{key}={cfg[key]} must be >= 1; e.g. {key}=32.")
+    _require(cfg.epochs >= 0, f"epochs={cfg.epochs} must be >= 0 (0 only evaluates).")
+    _require(cfg.num_workers >= 0, f"num_workers={cfg.num_workers} must be >= 0.")
+    _require(cfg.dist.nproc >= 1, f"dist.nproc={cfg.dist.nproc} must be >= 1.")
+    _require(cfg.dist.max_restarts >= 0, f"dist.max_restarts={cfg.dist.max_restarts} must be >= 0.")
+    _require(cfg.max_steps_per_epoch is None or cfg.max_steps_per_epoch >= 1,
+             f"max_steps_per_epoch={cfg.max_steps_per_epoch} must be >= 1 or null.")
+    _require(cfg.checkpoint.every_steps >= 0 and cfg.checkpoint.keep >= 0,
+             "checkpoint.every_steps and checkpoint.keep must be >= 0.")
+    _require(not (cfg.sampler.mode == "sequential" and cfg.sampler.shuffle),
+             "sampler.shuffle=true contradicts sampler=sequential (contiguous shards, never "
+             "shuffled); set sampler.shuffle=false or pick sampler=padded.")
+    choose_backend(cfg.backend.name)

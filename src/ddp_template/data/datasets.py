@@ -1,0 +1,216 @@
+"""Datasets that return ``(x, y, index)``, and the data builder (the ``data`` config group).
+
+The contract for any dataset in this template: ``__getitem__(i)`` returns the input tensor, the
+integer label and ``i`` itself. The index travels with the batch to the training loop, which is
+how every rank can log exactly which samples it saw (count, fingerprint, first/last index)
+whatever sampler, loader or worker count produced the batch.
+
+A data factory (the ``_target_`` of a ``data`` YAML) returns :class:`Splits`: the training and
+evaluation datasets plus the :class:`DataInfo` that the model factory receives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ddp_template.errors import ConfigError, instantiate_clean
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """What a model factory needs to know about the data."""
+
+    num_classes: int
+    in_channels: int
+    image_size: int
+
+
+@dataclass
+class Splits:
+    train: Dataset
+    eval: Dataset
+    info: DataInfo
+
+
+class IndexedTensors(Dataset):
+    """In-memory inputs and labels; item ``i`` is ``(x[i], y[i], i)``."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if len(x) != len(y):
+            raise ValueError(f"inputs ({len(x)}) and labels ({len(y)}) differ in length")
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:
+        return self.x[i], int(self.y[i]), i
+
+
+class WithIndex(Dataset):
+    """Wraps a ``(x, y)`` dataset (torchvision's) so items carry their index."""
+
+    def __init__(self, base: Any) -> None:
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> tuple[Any, int, int]:
+        x, y = self.base[i]
+        return x, int(y), i
+
+
+def digits(test_fraction: float = 0.2, split_seed: int = 0) -> Splits:
+    """scikit-learn's bundled 1,797 8x8 digits (offline).
+
+    The split is deterministic: a permutation drawn with ``numpy.random.default_rng(split_seed)``;
+    the first ``round(1797 * test_fraction)`` samples (359 by default) are the test set, the
+    remaining 1,438 the training set. Pixels (0..16) are standardised with the training set's
+    mean and standard deviation.
+    """
+    from sklearn.datasets import load_digits
+
+    if not 0.0 < test_fraction < 1.0:
+        raise ConfigError(
+            f"data.test_fraction={test_fraction} must lie strictly between 0 and 1; try 0.2."
+        )
+    bunch = load_digits()
+    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1)
+    y = torch.tensor(bunch.target, dtype=torch.long)
+    order = torch.from_numpy(np.random.default_rng(split_seed).permutation(len(y)))
+    n_test = round(len(y) * test_fraction)
+    test, train = order[:n_test], order[n_test:]
+    mean, std = x[train].mean(), x[train].std()
+    x = (x - mean) / std
+    info = DataInfo(num_classes=10, in_channels=1, image_size=8)
+    return Splits(IndexedTensors(x[train], y[train]), IndexedTensors(x[test], y[test]), info)
+
+
+class SyntheticImages(Dataset):
+    """Deterministic, learnable images of any size N, generated on the fly from the index.
+
+    Sample ``i`` has class ``i * 7919 % num_classes`` mixed with a keyed hash, and input
+    ``prototype[class] + noise * gaussian(seed, split, i)``. Nothing is stored per sample, so N
+    can be 1e8 or more; the same index always gives the same sample on every rank.
+    """
+
+    def __init__(self, size: int, split: int, channels: int, image_size: int,
+                 num_classes: int, noise: float, seed: int) -> None:
+        self.size, self.split, self.noise, self.seed = size, split, noise, seed
+        self.num_classes = num_classes
+        gen = torch.Generator().manual_seed(seed)
+        self.prototypes = torch.randn(num_classes, channels, image_size, image_size, generator=gen)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def label(self, i: int) -> int:
+        h = (i * 0x9E3779B97F4A7C15 + self.seed * 0xBF58476D1CE4E5B9 + self.split) & (2**64 - 1)
+        return (h >> 33) % self.num_classes
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:
+        y = self.label(i)
+        gen = torch.Generator().manual_seed((self.seed * 2 + self.split) * 2**40 + i)
+        shape = self.prototypes.shape[1:]
+        x = self.prototypes[y] + self.noise * torch.randn(shape, generator=gen)
+        return x, y, i
+
+
+def synthetic(size: int = 4096, eval_size: int = 1024, channels: int = 3, image_size: int = 32,
+              num_classes: int = 10, noise: float = 1.0, seed: int = 0) -> Splits:
+    """Synthetic classification data; training and evaluation use disjoint sample streams."""
+    for key, value in (("size", size), ("eval_size", eval_size), ("num_classes", num_classes),
+                       ("channels", channels), ("image_size", image_size)):
+        if value < 1:
+            raise ConfigError(f"data.{key}={value} must be at least 1.")
+    args = (channels, image_size, num_classes, noise, seed)
+    info = DataInfo(num_classes=num_classes, in_channels=channels, image_size=image_size)
+    return Splits(SyntheticImages(size, 0, *args), SyntheticImages(eval_size, 1, *args), info)
+
+
+def _torchvision_splits(cls_name: str, root: str, download: bool, info: DataInfo,
+                        mean: tuple[float, ...], std: tuple[float, ...]) -> Splits:
+    import torchvision
+    from torchvision import transforms
+
+    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
+    cls = getattr(torchvision.datasets, cls_name)
+    try:
+        train = cls(root, train=True, download=download, transform=tf)
+        test = cls(root, train=False, download=download, transform=tf)
+    except Exception as exc:  # torchvision raises RuntimeError, URLError, OSError...
+        how = "downloading it failed" if download else "data.download=false"
+        raise ConfigError(
+            f"data.root={root} holds no {cls_name} and {how} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:120]}); copy the dataset into data.root, or run with "
+            f"network access and data.download=true."
+        ) from exc
+    return Splits(WithIndex(train), WithIndex(test), info)
+
+
+def cifar10(root: str = "data", download: bool = True) -> Splits:
+    """CIFAR-10 via torchvision (50k/10k, 3x32x32, 10 classes)."""
+    info = DataInfo(num_classes=10, in_channels=3, image_size=32)
+    return _torchvision_splits("CIFAR10", root, download, info,
+                               (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+
+
+def mnist(root: str = "data", download: bool = True) -> Splits:
+    """MNIST via torchvision (60k/10k, 1x28x28, 10 classes)."""
+    info = DataInfo(num_classes=10, in_channels=1, image_size=28)
+    return _torchvision_splits("MNIST", root, download, info, (0.1307,), (0.3081,))
+
+
+def imagefolder(path: str, image_size: int = 64) -> Splits:
+    """Class-per-folder images: ``<path>/train/<class>/*.png`` and ``<path>/val/<class>/*``."""
+    from torchvision import datasets, transforms
+
+    root = Path(path).expanduser()
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise ConfigError(
+                f"data.path={path} has no '{split}/' folder; point data.path at a folder holding "
+                f"train/<class>/ and val/<class>/ image folders."
+            )
+    tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size),
+                             transforms.ToTensor()])
+    train = datasets.ImageFolder(root / "train", transform=tf)
+    val = datasets.ImageFolder(root / "val", transform=tf)
+    if train.classes != val.classes:
+        raise ConfigError(
+            f"data.path={path}: train/ classes {train.classes} differ from val/ classes "
+            f"{val.classes}; give both splits the same class folders."
+        )
+    channels = 1 if train[0][0].shape[0] == 1 else 3
+    info = DataInfo(num_classes=len(train.classes), in_channels=channels, image_size=image_size)
+    return Splits(WithIndex(train), WithIndex(val), info)
+
+
+def check_sizes(splits: Splits, world_size: int, drop_last: bool) -> None:
+    """Refuse data that cannot be sharded as configured, with the fix in the message."""
+    n = len(splits.train)
+    if n == 0:
+        raise ConfigError("the training set is empty; check data.path / data.size.")
+    if drop_last and world_size > n:
+        raise ConfigError(
+            f"sampler=drop_last with {world_size} ranks and only {n} training samples leaves "
+            f"every rank empty (floor({n}/{world_size}) = 0); use sampler=padded or fewer ranks."
+        )
+
+
+def build_splits(data_cfg: Any) -> Splits:
+    """Instantiate the ``data`` group's factory and check it kept the contract."""
+    splits = instantiate_clean(data_cfg)
+    if not isinstance(splits, Splits):
+        raise ConfigError(
+            f"data._target_={data_cfg.get('_target_')} returned {type(splits).__name__}; a data "
+            f"factory must return ddp_template.data.datasets.Splits(train, eval, info)."
+        )
+    return splits

@@ -1,0 +1,70 @@
+"""DataLoader construction, worker seeding and the resumable position.
+
+Worker RNGs are seeded from (seed, rank, epoch), never from wall-clock entropy, so two runs
+with the same config load the same data. Workers persist across epochs and take batches in
+turn, so a mid-epoch resume hands batches to different workers: a random augmentation that
+must survive a resume exactly should seed itself from the sample index and epoch. The position
+within an epoch lives in the sampler (``ShardSampler.state_dict(position)``), so a resumed
+loader starts at the next unseen sample without loading any skipped one.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ddp_template.data.samplers import EvalShardSampler, ShardSampler
+from ddp_template.distributed import DistInfo
+
+
+def seed_worker(worker_id: int) -> None:
+    """Derive numpy's and Python's RNGs from the per-worker torch seed the loader assigned."""
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _loader_kwargs(num_workers: int, device: torch.device) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": device.type == "cuda"}
+    if num_workers > 0:
+        kwargs.update(worker_init_fn=seed_worker, persistent_workers=True, prefetch_factor=4)
+    return kwargs
+
+
+def build_train_sampler(dataset: Dataset, cfg: Any, info: DistInfo) -> ShardSampler:
+    seed = cfg.seed if cfg.sampler.seed is None else cfg.sampler.seed
+    return ShardSampler(dataset, num_replicas=info.world_size, rank=info.rank,
+                        shuffle=cfg.sampler.shuffle, seed=seed, mode=str(cfg.sampler.mode.value),
+                        permutation=str(cfg.sampler.permutation.value))
+
+
+def build_train_loader(dataset: Dataset, sampler: ShardSampler, cfg: Any,
+                       info: DistInfo) -> DataLoader:
+    generator = torch.Generator()
+    generator.manual_seed(worker_seed(cfg.seed, info.rank, 0))
+    return DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler,
+                      drop_last=cfg.sampler.drop_last_batch, generator=generator,
+                      **_loader_kwargs(cfg.num_workers, info.device))
+
+
+def build_eval_loader(dataset: Dataset, cfg: Any, info: DistInfo) -> DataLoader:
+    """Contiguous, unpadded shards: no sample is evaluated twice (DESIGN.md §4)."""
+    sampler = EvalShardSampler(dataset, num_replicas=info.world_size, rank=info.rank)
+    kwargs = _loader_kwargs(cfg.num_workers, info.device)
+    kwargs["persistent_workers"] = False  # eval runs once per epoch; idle workers cost memory
+    return DataLoader(dataset, batch_size=cfg.eval_batch_size, sampler=sampler, **kwargs)
+
+
+def worker_seed(seed: int, rank: int, epoch: int) -> int:
+    """A distinct, reproducible base seed per (seed, rank, epoch)."""
+    return (seed * 1_000_003 + rank * 10_007 + epoch) % 2**63
+
+
+def reseed_for_epoch(loader: DataLoader, seed: int, rank: int, epoch: int) -> None:
+    """Called before each epoch's iterator: workers get seeds that resume reproduces."""
+    if loader.generator is not None:
+        loader.generator.manual_seed(worker_seed(seed, rank, epoch))

@@ -1,0 +1,222 @@
+"""Train one epoch and evaluate exactly (AMP, GradScaler, per-rank data accounting).
+
+The loop keeps the host and the device apart: the loss is accumulated as a tensor and read
+(``.item()``) only at log intervals and at the end of the epoch, so no step waits for the GPU
+just to print. Every batch carries its dataset indices, which feed the rank's IndexTally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddp_template.data.accounting import IndexTally
+from ddp_template.distributed import DistInfo, all_reduce_sum
+from ddp_template.errors import ConfigError
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_amp(mode: str, device: torch.device) -> None:
+    """Refuse an AMP mode this device/build cannot run, at startup rather than mid-run."""
+    if mode == "off":
+        return
+    dtype = AMP_DTYPES[mode]
+    try:
+        with torch.autocast(device.type, dtype=dtype):
+            probe = torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
+        if probe.dtype != dtype:
+            raise RuntimeError(f"autocast produced {probe.dtype}")
+        if mode == "fp16":
+            torch.amp.GradScaler(device.type)
+    except Exception as exc:
+        raise ConfigError(
+            f"amp.mode={mode} is not supported on {device.type} with torch {torch.__version__} "
+            f"({exc}); use amp=bf16 or amp=off."
+        ) from exc
+
+
+def autocast(mode: str, device: torch.device) -> contextlib.AbstractContextManager:
+    if mode == "off":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=AMP_DTYPES[mode])
+
+
+def make_scaler(amp_cfg: Any, device: torch.device) -> torch.amp.GradScaler:
+    """A GradScaler that is a no-op unless fp16: one code path for every AMP mode."""
+    return torch.amp.GradScaler(device.type, init_scale=amp_cfg.init_scale,
+                                growth_interval=amp_cfg.growth_interval,
+                                enabled=str(amp_cfg.mode.value) == "fp16")
+
+
+@dataclass
+class TrainState:
+    """Where training stands: what a checkpoint restores besides the tensors."""
+
+    epoch: int = 0
+    step: int = 0  # optimizer steps since the start of the run
+    position: int = 0  # this rank's samples consumed in the current epoch
+
+
+@dataclass
+class Trainer:
+    model: nn.Module  # the DDP-wrapped model (or the plain one in a single process)
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    loader: Any
+    sampler: Any
+    info: DistInfo
+    amp_mode: str = "off"
+    grad_clip: float | None = None
+    log_every: int = 10
+    max_steps_per_epoch: int | None = None
+    keep_indices: bool = False
+
+
+@dataclass
+class EpochStats:
+    tally: IndexTally
+    loss_sum: float = 0.0
+    data_wait_s: float = 0.0
+    wall_s: float = 0.0
+    stopped: bool = False  # the step hook asked to stop (preemption)
+    intervals: list[dict[str, float]] = field(default_factory=list)
+
+    def as_metrics(self, duplicates: int) -> dict[str, Any]:
+        t, compute = self.tally, max(self.wall_s - self.data_wait_s, 0.0)
+        return {
+            "data/samples": t.samples, "data/batches": t.batches, "data/duplicates": duplicates,
+            "data/first_index": t.first_index, "data/last_index": t.last_index,
+            "perf/data_wait_s": self.data_wait_s,
+            "perf/step_s": compute / t.batches if t.batches else 0.0,
+            "perf/samples_per_s": t.samples / self.wall_s if self.wall_s > 0 else 0.0,
+            "train/loss_local": self.loss_sum / t.samples if t.samples else float("nan"),
+        }
+
+
+StepHook = Callable[[TrainState], bool]  # returns True to stop at this step boundary
+
+
+def _step(tr: Trainer, x: torch.Tensor, y: torch.Tensor, want_norm: bool) -> tuple[Any, Any]:
+    with autocast(tr.amp_mode, tr.info.device):
+        loss = F.cross_entropy(tr.model(x), y)
+    tr.scaler.scale(loss).backward()
+    norm = None
+    if tr.grad_clip is not None or want_norm:
+        tr.scaler.unscale_(tr.optimizer)  # clip the true gradients, not the scaled ones
+        limit = tr.grad_clip if tr.grad_clip is not None else float("inf")
+        norm = nn.utils.clip_grad_norm_(tr.model.parameters(), limit)
+    tr.scaler.step(tr.optimizer)
+    tr.scaler.update()
+    tr.optimizer.zero_grad(set_to_none=True)
+    tr.scheduler.step()
+    return loss.detach(), norm
+
+
+def _steps_this_epoch(tr: Trainer, state: TrainState) -> int:
+    remaining = len(tr.loader)
+    if tr.max_steps_per_epoch is not None:
+        done = state.position // tr.loader.batch_size
+        remaining = min(remaining, max(0, tr.max_steps_per_epoch - done))
+    return remaining
+
+
+def train_one_epoch(tr: Trainer, state: TrainState, on_step: StepHook,
+                    on_interval: Callable[[dict[str, float], int], None]) -> EpochStats:
+    """One pass over this rank's shard from ``state.position``; updates ``state`` in place."""
+    tr.model.train()
+    stats = EpochStats(IndexTally(keep=tr.keep_indices))
+    limit = _steps_this_epoch(tr, state)
+    if limit == 0:
+        return stats
+    loss_acc = torch.zeros((), device=tr.info.device)
+    interval_t, interval_n, interval_loss = time.perf_counter(), 0, torch.zeros_like(loss_acc)
+    start = waited = time.perf_counter()
+    for i, (x, y, idx) in enumerate(tr.loader):
+        stats.data_wait_s += time.perf_counter() - waited
+        x = x.to(tr.info.device, non_blocking=True)
+        y = y.to(tr.info.device, non_blocking=True)
+        want_norm = (state.step + 1) % tr.log_every == 0
+        loss, norm = _step(tr, x, y, want_norm)
+        stats.tally.add(idx.numpy())
+        loss_acc += loss * len(idx)
+        interval_loss += loss * len(idx)
+        interval_n += len(idx)
+        state.step += 1
+        state.position += len(idx)
+        if want_norm:
+            now = time.perf_counter()
+            on_interval({"train/loss": (interval_loss / interval_n).item(),
+                         "train/lr": tr.scheduler.get_last_lr()[0],
+                         "train/grad_norm": float(norm),
+                         "perf/interval_samples_per_s": interval_n / (now - interval_t)},
+                        state.step)
+            interval_t, interval_n = now, 0
+            interval_loss.zero_()
+        if on_step(state):
+            stats.stopped = True
+            break
+        if i + 1 >= limit:
+            break
+        waited = time.perf_counter()
+    stats.wall_s = time.perf_counter() - start
+    stats.loss_sum = float(loss_acc.item())
+    return stats
+
+
+@dataclass
+class EvalResult:
+    correct: int
+    count: int
+    loss_sum: float
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.count if self.count else 0.0
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.count if self.count else float("nan")
+
+
+def sync_buffers(module: nn.Module, info: DistInfo) -> None:
+    """Give every rank rank 0's buffers (BN running stats).
+
+    DDP broadcasts buffers at the start of each forward, then every rank updates them from its
+    own batch; after the last step the ranks' running stats differ. Evaluating rank 0's model
+    everywhere makes the distributed result equal the single-process one.
+    """
+    if info.distributed:
+        for buf in module.buffers():
+            torch.distributed.broadcast(buf, src=0)
+
+
+@torch.no_grad()
+def evaluate(module: nn.Module, loader: Any, info: DistInfo, amp_mode: str) -> EvalResult:
+    """Exact evaluation: unpadded shards, sums all-reduced.
+
+    ``module`` is the unwrapped model: a DDP forward may run collectives (buffer broadcast,
+    SyncBN), and ranks with different (or empty) shards would then deadlock or mismatch.
+    """
+    sync_buffers(module, info)
+    was_training = module.training
+    module.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=info.device)
+    for x, y, _ in loader:
+        x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
+        with autocast(amp_mode, info.device):
+            logits = module(x)
+        sums[0] += (logits.argmax(dim=1) == y).sum()
+        sums[1] += len(y)
+        sums[2] += F.cross_entropy(logits.float(), y, reduction="sum").double()
+    all_reduce_sum(sums, info)
+    module.train(was_training)
+    return EvalResult(int(sums[0].item()), int(sums[1].item()), float(sums[2].item()))

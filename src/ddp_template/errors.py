@@ -1,0 +1,27 @@
+"""The one exception type for bad input (config, data path, checkpoint).
+
+Its message is one sentence that names the key, the bad value and the fix; ``train.py`` prints
+it without a traceback and exits with ``EXIT_CONFIG_ERROR``.
+"""
+
+from typing import Any
+
+EXIT_CONFIG_ERROR = 2
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a scheduler should requeue the job
+
+
+class ConfigError(ValueError):
+    """Bad input detected at startup; the message is meant for the user as is."""
+
+
+def instantiate_clean(node: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` that lets our own one-sentence ConfigError through unwrapped."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as exc:
+        if isinstance(exc.__cause__, ConfigError):
+            raise exc.__cause__ from None
+        raise

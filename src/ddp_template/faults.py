@@ -1,0 +1,33 @@
+"""Fault injection (``fault.*``): testing aids for resume, preemption and elastic restarts.
+
+Off by default. ``fault.crash_at_step=K fault.rank=R`` makes rank R raise after optimizer step
+K; with ``fault.signal=SIGTERM`` (or SIGUSR1, SIGKILL…) it sends itself that signal instead.
+``fault.attempt`` limits it to one elastic restart attempt, so the restarted group can finish.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+from ddp_template.errors import ConfigError
+
+
+def check(fault: Any) -> None:
+    if fault.signal is not None and not hasattr(signal, str(fault.signal)):
+        raise ConfigError(
+            f"fault.signal={fault.signal} is not a signal name; use e.g. SIGTERM, SIGUSR1, SIGKILL."
+        )
+
+
+def maybe_fire(fault: Any, step: int, rank: int) -> None:
+    """Called after every optimizer step on every rank."""
+    if fault.crash_at_step is None or step != fault.crash_at_step or rank != fault.rank:
+        return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != fault.attempt:
+        return
+    if fault.signal is not None:
+        os.kill(os.getpid(), getattr(signal, str(fault.signal)))
+        return
+    raise RuntimeError(f"fault injected: rank {rank} crashes after step {step}")

@@ -1,0 +1,197 @@
+"""Rank-aware logs: console and file, per-rank JSONL, and one W&B run per rank.
+
+Every rank writes ``<run_dir>/rank<r>/metrics.jsonl`` (always) and, with ``logger=wandb``,
+its own W&B run in ``<run_dir>/rank<r>/wandb`` grouped by the run id. The same keys go to both.
+W&B trouble never stops training: a failed start falls back to offline, then to JSONL only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ddp_template.distributed import DistInfo
+from ddp_template.launch import RunInfo
+
+log = logging.getLogger("ddp_template")
+
+
+def setup_console(info: DistInfo, run_dir: Path) -> None:
+    """Rank 0 talks; other ranks only warn. Each rank also logs to its file in the run dir.
+
+    Under Hydra (torchrun, single process) the file handler already exists; in-process
+    workers start without Hydra's logging, so they get the same layout here.
+    """
+    root = logging.getLogger()
+    if not any(isinstance(h, logging.FileHandler) for h in root.handlers):
+        name = "train.log" if info.is_main else f"rank{info.rank}.log"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(run_dir / name)
+        fmt = f"[%(asctime)s][rank{info.rank}][%(levelname)s] - %(message)s"
+        handler.setFormatter(logging.Formatter(fmt))
+        root.addHandler(handler)
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(logging.Formatter(fmt))
+        root.addHandler(console)
+        root.setLevel(logging.INFO)
+    for h in root.handlers:
+        if not isinstance(h, logging.FileHandler):
+            h.setLevel(logging.INFO if info.is_main else logging.WARNING)
+
+
+def wandb_id(run_id: str, rank: int) -> str:
+    """Deterministic per-rank W&B id: a resumed run continues the same W&B runs."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", f"{run_id}-rank{rank}")[-120:]
+
+
+class RankLogger:
+    """One rank's metrics sink (JSONL + optional W&B)."""
+
+    def __init__(self, cfg: DictConfig, run: RunInfo, info: DistInfo) -> None:
+        self.info, self.run = info, run
+        self.rank_dir = run.run_dir / f"rank{info.rank}"
+        self.rank_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.rank_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.wandb: Any = None
+        if cfg.logger.name == "wandb":
+            self.wandb = self._start_wandb(cfg)
+
+    def _wandb_kwargs(self, cfg: DictConfig) -> dict[str, Any]:
+        info, run = self.info, self.run
+        config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        config.update(rank=info.rank, local_rank=info.local_rank, world_size=info.world_size,
+                      host=info.host, backend=info.backend or "none",
+                      sampler=str(cfg.sampler.mode.value))
+        return dict(project=cfg.logger.project, entity=cfg.logger.entity,
+                    tags=list(cfg.logger.tags), group=run.run_id,
+                    job_type="main" if info.is_main else "worker",
+                    name=f"{run.run_id}-rank{info.rank}", id=wandb_id(run.run_id, info.rank),
+                    resume="allow", dir=str(self.rank_dir), config=config)
+
+    def _start_wandb(self, cfg: DictConfig) -> Any:
+        import wandb
+
+        kwargs = self._wandb_kwargs(cfg)
+        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True)
+        mode = str(cfg.logger.mode.value)
+        for attempt in (mode, "offline") if mode != "offline" else ("offline",):
+            try:
+                wb = wandb.init(mode=attempt, settings=settings, **kwargs)
+            except Exception as exc:  # W&B must never stop training
+                log.warning("W&B (%s) failed to start on rank %d: %s", attempt, self.info.rank,
+                            exc)
+                continue
+            if attempt != mode:
+                log.warning("W&B fell back to offline on rank %d", self.info.rank)
+            wb.define_metric("step")
+            wb.define_metric("*", step_metric="step")
+            return wb
+        log.warning("W&B is off on rank %d; metrics still go to metrics.jsonl", self.info.rank)
+        return None
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        row = {"step": step, **metrics}
+        self.jsonl.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(row)
+
+    def log_table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
+        if self.wandb is not None and rows:
+            import wandb
+
+            columns = list(rows[0])
+            table = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
+            self.wandb.log({key: table, "step": step})
+
+    def log_image(self, key: str, path: Path) -> None:
+        if self.wandb is not None and path.exists():
+            import wandb
+
+            self.wandb.log({key: wandb.Image(str(path))})
+
+    def finish(self, exit_code: int = 0) -> None:
+        """Close the JSONL and the W&B run; called on every exit path."""
+        if not self.jsonl.closed:
+            self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=exit_code)
+            self.wandb = None
+
+
+def _epoch_observed(stats: Any, duplicates: int) -> dict[str, Any]:
+    obs = {"samples": stats.tally.samples, "duplicates": duplicates, "fingerprint": stats.tally.fp,
+           "step_s": stats.as_metrics(duplicates)["perf/step_s"]}
+    if stats.tally.keep:
+        obs["indices"] = stats.tally.indices()
+    return obs
+
+
+def report_epoch(logger: RankLogger, sampler: Any, stats: Any, start: int, epoch: int,
+                 step: int) -> dict[str, Any] | None:
+    """Log this rank's epoch accounting; rank 0 also gathers every rank's and checks them.
+
+    ``start`` is the sampler position the epoch began at (non-zero after a mid-epoch resume).
+    Returns the shard report on rank 0 (None elsewhere). A collective: call on every rank.
+    """
+    from ddp_template.data.accounting import fingerprint_hex, shard_report
+    from ddp_template.distributed import gather_objects
+
+    end = start + stats.tally.samples
+    duplicates = sampler.padding_in_prefix(end) - sampler.padding_in_prefix(start)
+    metrics = {"epoch": epoch, **stats.as_metrics(duplicates),
+               "data/fingerprint": fingerprint_hex(stats.tally.fp)}
+    logger.log(metrics, step)
+    observed = gather_objects(_epoch_observed(stats, duplicates), logger.info)
+    if not logger.info.is_main:
+        return None
+    expected = None
+    if stats.tally.keep:
+        expected = [sampler.rank_indices(r)[start:] for r in range(logger.info.world_size)]
+    report = shard_report(sampler.mode, sampler.dataset_size, observed, expected)
+    _log_report(logger, report, observed, epoch, step)
+    return report
+
+
+def _log_report(logger: RankLogger, report: dict[str, Any], observed: list[dict[str, Any]],
+                epoch: int, step: int) -> None:
+    step_times = [o["step_s"] for o in observed]
+    slowest = max(range(len(step_times)), key=step_times.__getitem__)
+    fastest = min(step_times)
+    spread = step_times[slowest] / fastest if fastest > 0 else float("nan")
+    summary = {"shards/verdict_ok": int(report["verdict"] == "ok"),
+               "shards/total_samples": report["total_samples"],
+               "perf/step_s_max_over_min": spread, "perf/slowest_rank": slowest}
+    for key in ("coverage", "overlap", "repeats"):
+        if key in report:
+            summary[f"shards/{key}"] = report[key]
+    logger.log(summary, step)
+    logger.log_table("shards/report", report["ranks"], step)
+    lines = [f"epoch {epoch} shards ({report['mode']}, N={report['dataset_size']}): "
+             f"verdict {report['verdict']}"]
+    lines += [f"  rank {r['rank']}: {r['samples']} samples, {r['duplicates']} padded, "
+              f"fingerprint {r['fingerprint']}{'' if r['matches'] else '  <-- MISMATCH'}"
+              for r in report["ranks"]]
+    if "coverage" in report:
+        lines.append(f"  coverage {report['coverage']:.4f} ({report['covered']} unique), "
+                     f"overlap {report['overlap']}, step time max/min {spread:.2f} "
+                     f"(slowest rank {slowest})")
+    log.info("\n".join(lines))
+    if report["verdict"] != "ok":
+        log.warning("SHARD MISMATCH in epoch %d: %s — a rank saw data its sampler mode does not "
+                    "define (wrong seed on one rank? missing set_epoch? custom sampler?)",
+                    epoch, report["verdict"])
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
+    """Rank 0's final metrics, written atomically so a reader never sees half a file."""
+    path = run_dir / "summary.json"
+    tmp = path.with_name("summary.json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(path)
+    return path

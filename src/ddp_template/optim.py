@@ -1,0 +1,47 @@
+"""Optimizer and learning-rate schedule (the ``optim`` config group)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddp_template.errors import ConfigError
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """No weight decay on biases and norm parameters (1-d tensors), the usual recipe."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
+    if cfg.lr <= 0:
+        raise ConfigError(f"optim.lr={cfg.lr} must be positive; try optim.lr=0.1 for sgd.")
+    groups = _param_groups(model, cfg.weight_decay)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
+                               nesterov=cfg.nesterov and cfg.momentum > 0)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+    raise ConfigError(f"optim.name={cfg.name} is unknown; use optim=sgd or optim=adamw.")
+
+
+def build_scheduler(cfg: Any, optimizer: torch.optim.Optimizer,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per-step schedule: linear warm-up, then cosine to zero (or constant with ``none``)."""
+    warmup, cosine = cfg.warmup_steps, cfg.schedule == "cosine"
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if not cosine:
+            return 1.0
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,65 @@
+"""Helpers for end-to-end tests: run train.py for real (gloo, W&B offline, tmp run root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+TORCHRUN = [PY, "-m", "torch.distributed.run"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC",
+                                "RUN_ID"))}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1",
+               HYDRA_FULL_ERROR="0")
+    env.update(extra)
+    return env
+
+
+def train_cmd(out: Path, *overrides: str, launcher: list[str] | None = None) -> list[str]:
+    """A train.py command writing under ``out`` (outputs/, multirun/)."""
+    paths = [f"paths.output_root={out / 'outputs'}", f"paths.multirun_root={out / 'multirun'}"]
+    return [*(launcher or [PY]), str(ROOT / "train.py"), *paths, *overrides]
+
+
+def run(cmd: list[str], timeout: float = 240, env: dict[str, str] | None = None,
+        check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=env or run_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    return proc
+
+
+def torchrun(nproc: int, standalone: bool = True) -> list[str]:
+    if standalone:
+        return [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}"]
+    return [*TORCHRUN, f"--nproc-per-node={nproc}", f"--master-port={free_port()}"]
+
+
+def run_dirs(out: Path, kind: str = "outputs") -> list[Path]:
+    base = out / kind
+    return sorted(p for p in base.iterdir() if p.is_dir()) if base.exists() else []
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

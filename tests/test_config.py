@@ -1,0 +1,140 @@
+"""Real Hydra composition of every group option, and bad overrides rejected at startup."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, run, train_cmd
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from ddp_template import launch
+from ddp_template.config import register_configs
+from ddp_template.data.datasets import build_splits
+from ddp_template.errors import ConfigError
+from ddp_template.models import build_model
+
+register_configs()
+launch.register_resolvers()
+
+GROUPS = {
+    "sampler": ["padded", "drop_last", "sequential"],
+    "backend": ["auto", "gloo", "nccl"],
+    "syncbn": ["off", "on"],
+    "amp": ["off", "bf16", "fp16"],
+    "model": ["small_cnn", "resnet18", "torchvision"],
+    "data": ["digits", "synthetic", "cifar10", "mnist", "imagefolder"],
+    "optim": ["sgd", "adamw"],
+    "logger": ["wandb", "none"],
+}
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_every_group_folder_is_listed() -> None:
+    """A new YAML in conf/<group>/ must be added here (and so get composed below)."""
+    for group, options in GROUPS.items():
+        on_disk = sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
+        assert on_disk == sorted(options), group
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_option_composes(group: str, option: str) -> None:
+    cfg = compose_cfg(f"{group}={option}")
+    choice = OmegaConf.to_container(cfg[group], resolve=True)
+    assert choice, f"{group}={option} composed to an empty node"
+    if group == "sampler":
+        assert cfg.sampler.mode == option
+        assert cfg.sampler.shuffle is (option != "sequential")
+    if group == "amp":
+        assert cfg.amp.mode == option
+    if group == "syncbn":
+        assert cfg.syncbn.enabled is (option == "on")
+
+
+@pytest.mark.parametrize("model", GROUPS["model"])
+def test_every_model_instantiates_and_runs(model: str) -> None:
+    cfg = compose_cfg(f"model={model}", "data=synthetic", "data.size=8", "data.image_size=16")
+    splits = build_splits(cfg.data)
+    net = build_model(cfg.model, splits.info).eval()
+    x = torch.stack([splits.train[i][0] for i in range(2)])
+    assert net(x).shape == (2, splits.info.num_classes)
+
+
+def test_builtin_offline_data_instantiates(tmp_path: Path) -> None:
+    digits = build_splits(compose_cfg("data=digits").data)
+    assert (len(digits.train), len(digits.eval)) == (1438, 359)
+    x, y, i = digits.train[5]
+    assert x.shape == (1, 8, 8) and 0 <= y < 10 and i == 5
+    synth = build_splits(compose_cfg("data=synthetic", "data.size=100", "data.eval_size=7").data)
+    assert (len(synth.train), len(synth.eval)) == (100, 7)
+    assert torch.equal(synth.train[3][0], synth.train[3][0])  # deterministic per index
+
+
+def _image_folder(root: Path) -> Path:
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for cls, colour in (("cat", (255, 0, 0)), ("dog", (0, 0, 255))):
+            d = root / split / cls
+            d.mkdir(parents=True)
+            for k in range(3):
+                Image.new("RGB", (20, 20), colour).save(d / f"{k}.png")
+    return root
+
+
+def test_imagefolder_instantiates(tmp_path: Path) -> None:
+    cfg = compose_cfg("data=imagefolder", f"data.path={_image_folder(tmp_path / 'img')}",
+                      "data.image_size=16")
+    splits = build_splits(cfg.data)
+    assert len(splits.train) == 6 and splits.info.num_classes == 2
+    assert splits.train[0][0].shape == (3, 16, 16)
+
+
+def test_imagefolder_missing_path_names_the_key(tmp_path: Path) -> None:
+    cfg = compose_cfg("data=imagefolder", f"data.path={tmp_path / 'nope'}")
+    with pytest.raises(ConfigError, match=r"data.path=.*nope.*train/"):
+        build_splits(cfg.data)
+
+
+@pytest.mark.parametrize("name", ["cifar10", "mnist"])
+def test_torchvision_data_offline_is_a_clear_error(name: str, tmp_path: Path) -> None:
+    cfg = compose_cfg(f"data={name}", f"paths.data_root={tmp_path}")
+    with pytest.raises(ConfigError, match=r"data.root=.* holds no .*copy the dataset"):
+        build_splits(cfg.data)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("sampler=nope", "sampler"),
+    ("batch_size=abc", "batch_size"),
+    ("sampler.shufle=true", "shufle"),
+    ("sampler.permutation=random", "permutation"),
+    ("model=nope", "model"),
+])
+def test_bad_override_exits_nonzero_naming_it(tmp_path: Path, override: str,
+                                              needle: str) -> None:
+    proc = run(train_cmd(tmp_path, override, "logger=none"), check=False, timeout=120)
+    assert proc.returncode != 0
+    assert needle in proc.stderr + proc.stdout
+    assert not (tmp_path / "outputs").exists()  # rejected before any run dir
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["batch_size=0"], "batch_size=0"),
+    (["sampler=sequential", "sampler.shuffle=true"], "sampler.shuffle"),
+    (["backend=nccl"], "backend.name=nccl"),
+    (["sampler=drop_last", "data=synthetic", "data.size=1", "dist.nproc=2"], "drop_last"),
+])
+def test_meaningless_values_get_one_sentence(tmp_path: Path, overrides: list[str],
+                                             needle: str) -> None:
+    if "backend=nccl" in overrides and torch.cuda.is_available():
+        pytest.skip("nccl is valid on a CUDA machine")
+    proc = run(train_cmd(tmp_path, *overrides, "logger=none", "epochs=1"), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert needle in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr

@@ -1,0 +1,119 @@
+"""Shard pictures: right per-rank lists from the real sampler, valid PNGs, fast at large N."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ddp_template.data.samplers import ShardSampler
+from ddp_template.shard_plot import (
+    MODES,
+    ShardLayout,
+    draw_layout,
+    layout_from_sampler,
+    main,
+    save_layout_png,
+    save_modes_png,
+)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+# DESIGN.md §3, N=11 and W=2 without shuffling: (rank 0, rank 1, padding slots of rank 1)
+TABLE_11_2 = {
+    "padded": ([0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 0], [5]),
+    "drop_last": ([0, 2, 4, 6, 8], [1, 3, 5, 7, 9], []),
+    "sequential": ([0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 0], [5]),
+}
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    """Fail unless `path` is a complete, decodable PNG; return its pixel size."""
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    with Image.open(path) as image:
+        image.verify()
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        return image.size
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_layout_from_sampler_matches_the_design_table(mode: str) -> None:
+    layout = layout_from_sampler(ShardSampler, 11, 2, mode, shuffle=False, seed=0)
+    rank0, rank1, pad1 = TABLE_11_2[mode]
+    assert (layout.mode, layout.num_samples, layout.world_size) == (mode, 11, 2)
+    assert [r.tolist() for r in layout.ranks] == [rank0, rank1]
+    assert not layout.padding[0].any()
+    assert np.flatnonzero(layout.padding[1]).tolist() == pad1
+    assert layout.dropped().tolist() == ([10] if mode == "drop_last" else [])
+
+
+def test_layout_from_sampler_shuffled_and_uneven() -> None:
+    shuffled = layout_from_sampler(ShardSampler, 11, 2, "padded", shuffle=True, seed=0)
+    assert [r.tolist() for r in shuffled.ranks] == [[10, 4, 5, 2, 9, 6], [0, 3, 8, 1, 7, 10]]
+    assert shuffled.padding[1].tolist() == [False] * 5 + [True]
+    seq = layout_from_sampler(ShardSampler, 10, 4, "sequential", shuffle=False, seed=0)
+    assert [r.tolist() for r in seq.ranks] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 0, 1]]
+    assert seq.padding[3].tolist() == [False, True, True]
+
+
+def test_save_modes_png_writes_the_readme_picture(tmp_path: Path) -> None:
+    out = save_modes_png(tmp_path / "docs" / "shards.png")
+    assert out == tmp_path / "docs" / "shards.png"
+    width, height = _png_size(out)
+    assert 600 < width < 3000 and 600 < height < 3000
+
+
+def test_cli_entry_point(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--out", str(tmp_path / "modes.png"), "--n", "30", "--world", "4", "--shuffle"])
+    assert "modes.png" in capsys.readouterr().out
+    _png_size(tmp_path / "modes.png")
+
+
+def test_save_layout_png_for_a_run(tmp_path: Path) -> None:
+    layout = layout_from_sampler(ShardSampler, 50, 3, "drop_last", shuffle=True, seed=1)
+    _png_size(save_layout_png(tmp_path / "run" / "shards.png", layout, title="run-x"))
+
+
+def _big_layout(n: int, world: int) -> ShardLayout:
+    """A padded layout from plain arrays, so the test times drawing, not the sampler."""
+    per_rank = -(-n // world)
+    slots = np.arange(per_rank * world)
+    order = np.random.default_rng(0).permutation(n)[slots % n]
+    return ShardLayout(
+        "padded",
+        n,
+        [order[r::world] for r in range(world)],
+        [slots[r::world] >= n for r in range(world)],
+    )
+
+
+def test_large_n_is_summarised_not_drawn_cell_by_cell(tmp_path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    layout = _big_layout(1_000_000, 3)
+    started = time.perf_counter()
+    _png_size(save_layout_png(tmp_path / "big.png", layout))
+    assert time.perf_counter() - started < 10  # per-slot cells would take minutes
+    fig = Figure()
+    draw_layout(fig.subplots(), layout)
+    assert len(list(fig.findobj())) < 2000
+
+
+def test_import_is_light_and_drawing_leaves_pyplot_alone(tmp_path: Path) -> None:
+    script = (
+        "import sys, numpy as np\n"
+        "from ddp_template.shard_plot import ShardLayout, save_layout_png\n"
+        "assert 'matplotlib' not in sys.modules, 'imported matplotlib eagerly'\n"
+        "lay = ShardLayout('padded', 3, [np.array([0, 2]), np.array([1, 0])],\n"
+        "                  [np.array([False, False]), np.array([False, True])])\n"
+        f"save_layout_png({str(tmp_path / 'x.png')!r}, lay)\n"
+        "assert 'matplotlib.pyplot' not in sys.modules, 'switched pyplot backends'\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    _png_size(tmp_path / "x.png")

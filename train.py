@@ -1,0 +1,143 @@
+"""Train a classifier with DistributedDataParallel, every rank's data accounted for.
+
+    python train.py                                   # one process
+    python train.py dist.nproc=2                      # two ranks, started in-process
+    torchrun --standalone --nproc-per-node=2 train.py # two ranks under torchrun
+
+The recipe is the classic one — init the process group, shard the data with a distributed
+sampler, wrap the model in DDP, loop over epochs calling ``set_epoch`` — and each step is one
+builder from ``src/ddp_template`` named after the config group it reads.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+import torch
+from omegaconf import DictConfig
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_template import checkpoint, distributed, faults, launch
+from ddp_template.config import register_configs
+from ddp_template.data.datasets import build_splits, check_sizes
+from ddp_template.data.loader import (build_eval_loader, build_train_loader,
+                                      build_train_sampler, reseed_for_epoch)
+from ddp_template.engine import (Trainer, TrainState, check_amp, evaluate, make_scaler,
+                                 train_one_epoch)
+from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_PREEMPTED, ConfigError
+from ddp_template.logging import RankLogger, log, report_epoch, setup_console, write_summary
+from ddp_template.models import build_model, convert_syncbn
+from ddp_template.optim import build_optimizer, build_scheduler
+
+register_configs()
+launch.register_resolvers()
+
+
+def build(cfg: DictConfig, info: distributed.DistInfo) -> tuple[Trainer, object]:
+    """Data → sampler → loaders → model (+SyncBN) → DDP → optimizer: the classic recipe."""
+    check_amp(cfg.amp.mode.value, info.device)
+    faults.check(cfg.fault)
+    splits = build_splits(cfg.data)
+    check_sizes(splits, info.world_size, cfg.sampler.mode == "drop_last")
+    sampler = build_train_sampler(splits.train, cfg, info)
+    loader = build_train_loader(splits.train, sampler, cfg, info)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = build_model(cfg.model, splits.info)
+    if cfg.syncbn.enabled and info.distributed:
+        model = convert_syncbn(model, info.device)  # before DDP registers the modules
+    model.to(info.device)
+    ddp = DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None
+              ) if info.distributed else model
+    optimizer = build_optimizer(cfg.optim, model)
+    steps = cfg.epochs * min(len(loader), cfg.max_steps_per_epoch or len(loader))
+    keep = len(splits.train) <= cfg.shard_report_max_n
+    tr = Trainer(ddp, optimizer, build_scheduler(cfg.optim, optimizer, steps),
+                 make_scaler(cfg.amp, info.device), loader, sampler, info, cfg.amp.mode.value,
+                 cfg.optim.grad_clip, cfg.log_every, cfg.max_steps_per_epoch, keep)
+    return tr, splits
+
+
+def train(cfg: DictConfig, run: launch.RunInfo) -> float:
+    """One rank's whole run; returns the final eval accuracy (the sweep objective)."""
+    info = distributed.setup(cfg.backend.name.value, cfg.backend.timeout_s)
+    setup_console(info, run.run_dir)
+    logger = preempt = None
+    exit_code = 1
+    try:
+        tr, splits = build(cfg, info)
+        eval_loader = build_eval_loader(splits.eval, cfg, info)
+        state = TrainState()
+        ckpt = checkpoint.Checkpointer(run.run_dir / "checkpoints", cfg.checkpoint.every_steps,
+                                       cfg.checkpoint.keep, cfg.checkpoint.enabled, info)
+        found = checkpoint.resume_rank0(cfg.resume, ckpt.directory, info)
+        if found:
+            checkpoint.restore(found[1], found[0], tr, state, info)
+            log.info("resumed from %s at epoch %d, step %d", found[0], state.epoch, state.step)
+        logger = RankLogger(cfg, run, info)
+        distributed.barrier(info)  # every rank's W&B run exists before anyone logs
+        preempt = checkpoint.Preemption(info)
+
+        def after_step(s: TrainState) -> bool:
+            faults.maybe_fire(cfg.fault, s.step, info.rank)
+            stop = preempt.requested()
+            if stop or ckpt.due(s.step):
+                ckpt.save(tr, s, cfg, [])
+            return stop
+
+        result = None
+        for epoch in range(state.epoch, cfg.epochs):
+            state.epoch, start = epoch, state.position
+            tr.sampler.set_epoch(epoch)
+            reseed_for_epoch(tr.loader, cfg.seed, info.rank, epoch)
+            stats = train_one_epoch(tr, state, after_step, logger.log)
+            report_epoch(logger, tr.sampler, stats, start, epoch, state.step)
+            if stats.stopped:
+                exit_code = EXIT_PREEMPTED
+                raise SystemExit(EXIT_PREEMPTED)
+            result = evaluate(tr.model.module if info.distributed else tr.model, eval_loader,
+                              info, tr.amp_mode)
+            logger.log({"eval/accuracy": result.accuracy, "eval/loss": result.loss,
+                        "eval/correct": result.correct, "epoch": epoch}, state.step)
+            log.info("epoch %d: eval accuracy %.4f, loss %.4f", epoch, result.accuracy,
+                     result.loss)
+            state.epoch, state.position = epoch + 1, 0
+            ckpt.save(tr, state, cfg, [], epoch_end=True)
+        if result is None:  # epochs=0, or a finished run resumed: evaluate what we have
+            result = evaluate(tr.model.module if info.distributed else tr.model, eval_loader,
+                              info, tr.amp_mode)
+        if info.is_main:
+            path = write_summary(run.run_dir, {
+                "eval_accuracy": result.accuracy, "eval_correct": result.correct,
+                "eval_count": result.count, "eval_loss": result.loss,
+                "train_size": len(splits.train), "eval_size": len(splits.eval),
+                "world_size": info.world_size, "epochs": cfg.epochs, "steps": state.step,
+                "run_id": run.run_id})
+            log.info("final test accuracy %.4f (%d/%d) — run dir %s", result.accuracy,
+                     result.correct, result.count, run.run_dir)
+            log.info("summary: %s", path)
+        exit_code = 0
+        return result.accuracy
+    except ConfigError as exc:  # one sentence, no traceback: the message says the fix
+        log.error("%s", exc)
+        exit_code = EXIT_CONFIG_ERROR
+        raise SystemExit(EXIT_CONFIG_ERROR) from None
+    finally:
+        if preempt is not None:
+            preempt.close()
+        if logger is not None:
+            logger.finish(exit_code)
+        distributed.teardown()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float:
+    try:
+        return launch.launch(train, cfg, launch.current_run())
+    except ConfigError as exc:
+        log.error("%s", exc)
+        sys.exit(EXIT_CONFIG_ERROR)
+
+
+if __name__ == "__main__":
+    main()
