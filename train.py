@@ -21,10 +21,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_template import checkpoint, distributed, faults, launch
 from ddp_template.config import register_configs
 from ddp_template.data.datasets import build_splits, check_sizes
-from ddp_template.data.loader import (build_eval_loader, build_train_loader,
-                                      build_train_sampler, reseed_for_epoch)
-from ddp_template.engine import (Trainer, TrainState, check_amp, evaluate, make_scaler,
-                                 train_one_epoch)
+from ddp_template.data.loader import (
+    build_eval_loader,
+    build_train_loader,
+    build_train_sampler,
+    reseed_for_epoch,
+)
+from ddp_template.engine import (
+    Trainer,
+    TrainState,
+    check_amp,
+    evaluate,
+    make_scaler,
+    train_one_epoch,
+)
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_PREEMPTED, ConfigError
 from ddp_template.logging import RankLogger, log, report_epoch, setup_console, write_summary
 from ddp_template.models import build_model, convert_syncbn

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from ddp_template.distributed import DistInfo, broadcast_object, gather_objects
-from ddp_template.engine import TrainState, Trainer
+from ddp_template.engine import Trainer, TrainState
 from ddp_template.errors import ConfigError
 
 log = logging.getLogger("ddp_template")

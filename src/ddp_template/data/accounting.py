@@ -74,10 +74,11 @@ def shard_report(mode: str, dataset_size: int, observed: list[dict[str, Any]],
     """Rank 0's verdict on one epoch: did every rank see what its sampler mode defines?
 
     ``observed[r]`` holds rank r's ``samples``, ``duplicates``, ``fingerprint`` (int) and,
-    for small N, ``indices``. ``expected[r]`` is rank r's full epoch list as the mode defines
-    it (None for huge N, where materialising it would cost O(N): only sizes are reported). A rank that consumed ``k`` samples must have seen
-    exactly the first ``k`` indices of its defined list (the loader may drop a last batch, or a
-    run may cap its steps, but never reorder or skip).
+    for small N, ``indices``. ``expected[r]`` is rank r's epoch list from where the epoch
+    started, as the mode defines it (None for huge N, where materialising it costs O(N): only
+    sizes are reported). A rank that consumed ``k`` samples must have seen exactly the first
+    ``k`` of them (the loader may drop a last batch, or a run may cap its steps, but never
+    reorder or skip).
     """
     sizes = [int(o["samples"]) for o in observed]
     rows, problems = [], []
