@@ -36,7 +36,14 @@ from ddp_template.engine import (
     train_one_epoch,
 )
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_PREEMPTED, ConfigError
-from ddp_template.logging import RankLogger, log, report_epoch, setup_console, write_summary
+from ddp_template.logging import (
+    RankLogger,
+    draw_shards_async,
+    log,
+    report_epoch,
+    setup_console,
+    write_summary,
+)
 from ddp_template.models import build_model, convert_syncbn
 from ddp_template.optim import build_optimizer, build_scheduler
 
@@ -88,7 +95,10 @@ def train(cfg: DictConfig, run: launch.RunInfo) -> float:
         distributed.barrier(info)  # every rank's W&B run exists before anyone logs
         preempt = checkpoint.Preemption(info)
 
+        picture = draw_shards_async(tr.sampler, run.run_dir) if info.is_main else None
+
         def after_step(s: TrainState) -> bool:
+            logger.step()
             faults.maybe_fire(cfg.fault, s.step, info.rank)
             stop = preempt.requested()
             if stop or ckpt.due(s.step):
@@ -100,7 +110,9 @@ def train(cfg: DictConfig, run: launch.RunInfo) -> float:
             state.epoch, start = epoch, state.position
             tr.sampler.set_epoch(epoch)
             reseed_for_epoch(tr.loader, cfg.seed, info.rank, epoch)
-            stats = train_one_epoch(tr, state, after_step, logger.log)
+            logger.start_epoch(epoch, len(tr.loader))
+            stats = train_one_epoch(tr, state, after_step, logger.log_interval)
+            logger.end_epoch()
             report_epoch(logger, tr.sampler, stats, start, epoch, state.step)
             if stats.stopped:
                 exit_code = EXIT_PREEMPTED
@@ -116,6 +128,9 @@ def train(cfg: DictConfig, run: launch.RunInfo) -> float:
         if result is None:  # epochs=0, or a finished run resumed: evaluate what we have
             result = evaluate(tr.model.module if info.distributed else tr.model, eval_loader,
                               info, tr.amp_mode)
+        if picture is not None:
+            picture.join()
+            logger.log_image("shards/layout", run.run_dir / "shards.png")
         if info.is_main:
             path = write_summary(run.run_dir, {
                 "eval_accuracy": result.accuracy, "eval_correct": result.correct,

@@ -59,6 +59,7 @@ class RankLogger:
         self.rank_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.rank_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
         self.wandb: Any = None
+        self.bar: Any = None
         if cfg.logger.name == "wandb":
             self.wandb = self._start_wandb(cfg)
 
@@ -101,6 +102,29 @@ class RankLogger:
         if self.wandb is not None:
             self.wandb.log(row)
 
+    def start_epoch(self, epoch: int, total: int) -> None:
+        """Rank 0's progress bar (epoch, step, samples/s, loss); other ranks stay quiet."""
+        if self.info.is_main:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=f"epoch {epoch}", unit="step", mininterval=1.0,
+                            dynamic_ncols=True, leave=False)
+
+    def step(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def log_interval(self, metrics: dict[str, Any], step: int) -> None:
+        self.log(metrics, step)
+        if self.bar is not None:
+            self.bar.set_postfix(step=step, loss=f"{metrics['train/loss']:.4f}",
+                                 sps=f"{metrics['perf/interval_samples_per_s']:.0f}")
+
+    def end_epoch(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
     def log_table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
         if self.wandb is not None and rows:
             import wandb
@@ -117,6 +141,7 @@ class RankLogger:
 
     def finish(self, exit_code: int = 0) -> None:
         """Close the JSONL and the W&B run; called on every exit path."""
+        self.end_epoch()
         if not self.jsonl.closed:
             self.jsonl.close()
         if self.wandb is not None:
@@ -195,3 +220,32 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     tmp.replace(path)
     return path
+
+
+PICTURE_MAX_N = 2_000_000  # above this, drawing every rank's shard would cost O(N) at start
+
+
+def draw_shards_async(sampler: Any, run_dir: Path) -> Any:
+    """Draw ``shards.png`` for the first epoch in a background thread (rank 0 only).
+
+    matplotlib costs about a second to import and draw; a thread keeps that off the path to the
+    first optimizer step. Returns the thread (join it before logging the image) or None.
+    """
+    import threading
+
+    if sampler.dataset_size > PICTURE_MAX_N:
+        log.info("shards.png skipped: N=%d > %d", sampler.dataset_size, PICTURE_MAX_N)
+        return None
+
+    def draw() -> None:
+        from ddp_template.data.samplers import ShardSampler
+        from ddp_template.shard_plot import layout_from_sampler, save_layout_png
+
+        layout = layout_from_sampler(ShardSampler, sampler.dataset_size, sampler.num_replicas,
+                                     sampler.mode, sampler.shuffle, sampler.seed,
+                                     sampler.epoch, sampler.permutation)
+        save_layout_png(run_dir / "shards.png", layout)
+
+    thread = threading.Thread(target=draw, name="shards-png", daemon=True)
+    thread.start()
+    return thread
