@@ -33,7 +33,9 @@ def run_env(**extra: str) -> dict[str, str]:
 def train_cmd(out: Path, *overrides: str, launcher: list[str] | None = None) -> list[str]:
     """A train.py command writing under ``out`` (outputs/, multirun/)."""
     paths = [f"paths.output_root={out / 'outputs'}", f"paths.multirun_root={out / 'multirun'}"]
-    return [*(launcher or [PY]), str(ROOT / "train.py"), *paths, *overrides]
+    flags = [o for o in overrides if o.startswith("-")]  # -m / --multirun go before overrides
+    rest = [o for o in overrides if not o.startswith("-")]
+    return [*(launcher or [PY]), str(ROOT / "train.py"), *flags, *paths, *rest]
 
 
 def run(cmd: list[str], timeout: float = 240, env: dict[str, str] | None = None,

@@ -1,0 +1,136 @@
+"""Per-rank W&B runs read back from the offline files: who saw what, per sampler mode.
+
+The expected per-rank samples and fingerprints are recomputed here from torch's own
+DistributedSampler (padded, drop_last) and from the DESIGN.md definition (sequential), so a
+template that shards wrongly, forgets set_epoch or logs the wrong rank fails these tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import jsonl, run, run_dirs, train_cmd
+from torch.utils.data.distributed import DistributedSampler
+from wandb_reader import OfflineRun, find_runs
+
+from ddp_template.data.accounting import fingerprint
+
+N, W, EPOCHS = 11, 2, 2  # 11 samples on 2 ranks: 12 slots when padded
+
+
+def expected_lists(mode: str, epoch: int) -> list[list[int]]:
+    if mode == "sequential":
+        per = -(-N // W)
+        return [[(r * per + j) % N for j in range(per)] for r in range(W)]
+    out = []
+    for r in range(W):
+        s = DistributedSampler(range(N), num_replicas=W, rank=r, shuffle=True, seed=0,
+                               drop_last=mode == "drop_last")
+        s.set_epoch(epoch)
+        out.append(list(s))
+    return out
+
+
+def rows_with(run: OfflineRun, key: str) -> list[dict]:
+    return [row for row in run.history if key in row]
+
+
+@pytest.fixture(scope="module", params=["padded", "drop_last", "sequential"])
+def mode_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp(request.param)
+    run(train_cmd(out, f"sampler={request.param}", "dist.nproc=2", f"epochs={EPOCHS}",
+                  "data=synthetic", f"data.size={N}", "data.eval_size=5", "data.image_size=8",
+                  "batch_size=4", "log_every=1"))
+    (run_dir,) = run_dirs(out)
+    runs = sorted(find_runs(run_dir), key=lambda r: r.config["rank"])
+    return request.param, run_dir, runs
+
+
+def test_one_run_per_rank_in_one_group(mode_run) -> None:
+    mode, run_dir, runs = mode_run
+    assert [r.config["rank"] for r in runs] == [0, 1]
+    assert len({r.group for r in runs}) == 1 and runs[0].group == run_dir.name
+    assert [r.job_type for r in runs] == ["main", "worker"]
+    assert [r.name for r in runs] == [f"{run_dir.name}-rank0", f"{run_dir.name}-rank1"]
+    for r, wb in enumerate(runs):
+        assert wb.path.is_relative_to(run_dir / f"rank{r}" / "wandb")
+        assert wb.config["world_size"] == 2 and wb.config["backend"] == "gloo"
+        assert wb.config["sampler"] == mode and wb.config["data"]["size"] == N
+        assert wb.exit_code in (None, 0)
+
+
+def test_per_epoch_data_matches_the_mode(mode_run) -> None:
+    mode, run_dir, runs = mode_run
+    for epoch in range(EPOCHS):
+        want = expected_lists(mode, epoch)
+        for r, wb in enumerate(runs):
+            (row,) = [x for x in rows_with(wb, "data/samples") if x["epoch"] == epoch]
+            assert row["data/samples"] == len(want[r])
+            assert row["data/fingerprint"] == fingerprint(np.array(want[r]))
+            assert row["data/first_index"] == want[r][0]
+            assert row["data/last_index"] == want[r][-1]
+            assert row["data/batches"] == -(-len(want[r]) // 4)
+    if mode != "sequential":  # set_epoch really reshuffles
+        fps = [x["data/fingerprint"] for x in rows_with(runs[0], "data/samples")]
+        assert len(set(fps)) == EPOCHS
+
+
+def test_duplicates_coverage_and_overlap(mode_run) -> None:
+    mode, _, runs = mode_run
+    expect = {"padded": (1.0, 1, [0, 1]), "drop_last": (10 / 11, 0, [0, 0]),
+              "sequential": (1.0, 1, [0, 1])}[mode]
+    coverage, overlap, dups = expect
+    report = rows_with(runs[0], "shards/coverage")
+    assert len(report) == EPOCHS
+    for row in report:
+        assert row["shards/coverage"] == pytest.approx(coverage)
+        assert row["shards/overlap"] == overlap
+        assert row["shards/verdict_ok"] == 1
+    assert not rows_with(runs[1], "shards/coverage")  # the report is rank 0's
+    for r, wb in enumerate(runs):
+        assert {x["data/duplicates"] for x in rows_with(wb, "data/samples")} == {dups[r]}
+
+
+def test_interval_rows_share_one_step_axis(mode_run) -> None:
+    _, run_dir, runs = mode_run
+    for r, wb in enumerate(runs):
+        steps = [x["step"] for x in rows_with(wb, "train/loss")]
+        assert steps == sorted(steps) and steps[0] == 1
+        assert all("train/lr" in x and "train/grad_norm" in x for x in rows_with(wb, "train/loss"))
+        # The JSONL carries the same keys as W&B.
+        lines = jsonl(run_dir / f"rank{r}" / "metrics.jsonl")
+        assert [x["data/fingerprint"] for x in lines if "data/fingerprint" in x] == [
+            x["data/fingerprint"] for x in rows_with(wb, "data/fingerprint")]
+
+
+def test_rank0_logs_eval_and_picture(mode_run) -> None:
+    _, run_dir, runs = mode_run
+    assert len(rows_with(runs[0], "eval/accuracy")) == EPOCHS
+    assert (run_dir / "shards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_logger_none_writes_jsonl_only(tmp_path: Path) -> None:
+    run(train_cmd(tmp_path, "logger=none", "dist.nproc=2", "epochs=1", "max_steps_per_epoch=2"))
+    (run_dir,) = run_dirs(tmp_path)
+    assert not list(run_dir.rglob("wandb"))
+    for r in range(2):
+        assert any("data/samples" in x for x in jsonl(run_dir / f"rank{r}" / "metrics.jsonl"))
+
+
+def test_multirun_jobs_are_separate_groups(tmp_path: Path) -> None:
+    run(train_cmd(tmp_path, "-m", "dist.nproc=2", "seed=0,1", "epochs=1",
+                  "max_steps_per_epoch=2"))
+    (sweep,) = run_dirs(tmp_path, "multirun")
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    assert [j.name for j in jobs] == ["0", "1"]
+    groups = []
+    for job in jobs:
+        runs = find_runs(job)
+        assert sorted(r.config["rank"] for r in runs) == [0, 1]
+        assert len({r.group for r in runs}) == 1
+        groups.append(runs[0].group)
+        assert (job / "summary.json").is_file()
+    assert len(set(groups)) == 2
+    assert not run_dirs(tmp_path, "outputs")  # no stray run directories
