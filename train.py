@@ -102,7 +102,7 @@ def train(cfg: DictConfig, run: launch.RunInfo) -> float:
             faults.maybe_fire(cfg.fault, s.step, info.rank)
             stop = preempt.requested()
             if stop or ckpt.due(s.step):
-                ckpt.save(tr, s, cfg, [])
+                ckpt.save(tr, s, cfg, logger.wandb_id)
             return stop
 
         result = None
@@ -124,7 +124,7 @@ def train(cfg: DictConfig, run: launch.RunInfo) -> float:
             log.info("epoch %d: eval accuracy %.4f, loss %.4f", epoch, result.accuracy,
                      result.loss)
             state.epoch, state.position = epoch + 1, 0
-            ckpt.save(tr, state, cfg, [], epoch_end=True)
+            ckpt.save(tr, state, cfg, logger.wandb_id, epoch_end=True)
         if result is None:  # epochs=0, or a finished run resumed: evaluate what we have
             result = evaluate(tr.model.module if info.distributed else tr.model, eval_loader,
                               info, tr.amp_mode)

@@ -22,13 +22,12 @@ is_up() {
   case "$(node_state)" in idle|mixed|allocated|completing) return 0 ;; *) return 1 ;; esac
 }
 
-[ "$(id -u)" -eq 0 ] || die "must run as root (it installs packages and starts daemons)"
-
 # 1. Already up? Nothing to do.
 if command -v sinfo >/dev/null && is_up; then
   echo "slurm_up: already up (node $(node_state))"
   exit 0
 fi
+[ "$(id -u)" -eq 0 ] || die "must run as root (it installs packages and starts daemons)"
 
 # 2. Install Debian's packages if missing (creates /etc/munge/munge.key; starts nothing).
 if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \

@@ -28,7 +28,7 @@ from ddp_template.engine import Trainer, TrainState
 from ddp_template.errors import ConfigError
 
 log = logging.getLogger("ddp_template")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def save_atomic(payload: dict[str, Any], path: Path) -> None:
@@ -111,22 +111,25 @@ class Checkpointer:
     info: DistInfo
 
     def payload(self, tr: Trainer, state: TrainState, cfg: DictConfig,
-                wandb_ids: list[str]) -> dict[str, Any]:
-        rngs = gather_objects(_rng_state(), self.info)
+                wandb_id: str | None) -> dict[str, Any]:
+        mine = {"rng": _rng_state(), "sampler": tr.sampler.state_dict(state.position),
+                "wandb_id": wandb_id}
+        ranks = gather_objects(mine, self.info)
         return {
             "format": FORMAT_VERSION, "model": _unwrap(tr.model).state_dict(),
             "optimizer": tr.optimizer.state_dict(), "scheduler": tr.scheduler.state_dict(),
             "scaler": tr.scaler.state_dict(), "epoch": state.epoch, "step": state.step,
-            "position": state.position, "sampler": tr.sampler.state_dict(state.position),
-            "rng": rngs, "world_size": self.info.world_size, "wandb_ids": wandb_ids,
+            "position": state.position, "sampler": [r["sampler"] for r in ranks],
+            "rng": [r["rng"] for r in ranks], "world_size": self.info.world_size,
+            "wandb_ids": [r["wandb_id"] for r in ranks],
             "config": OmegaConf.to_yaml(cfg),
         }
 
-    def save(self, tr: Trainer, state: TrainState, cfg: DictConfig, wandb_ids: list[str],
+    def save(self, tr: Trainer, state: TrainState, cfg: DictConfig, wandb_id: str | None,
              epoch_end: bool = False) -> Path | None:
         if not self.enabled:
             return None
-        payload = self.payload(tr, state, cfg, wandb_ids)
+        payload = self.payload(tr, state, cfg, wandb_id)
         path = self.directory / "last.pt"
         if self.info.is_main:
             save_atomic(payload, path)
@@ -191,7 +194,7 @@ def restore(payload: dict[str, Any], path: Path, tr: Trainer, state: TrainState,
     """Put every piece back where it was; refuse a checkpoint this run cannot continue."""
     check_compatible(payload, path, info)
     try:
-        tr.sampler.load_state_dict(payload["sampler"])
+        tr.sampler.load_state_dict(payload["sampler"][info.rank])
     except ValueError as exc:
         raise ConfigError(f"checkpoint {path}: {exc}") from None
     try:
@@ -203,7 +206,13 @@ def restore(payload: dict[str, Any], path: Path, tr: Trainer, state: TrainState,
         ) from None
     tr.optimizer.load_state_dict(payload["optimizer"])
     tr.scheduler.load_state_dict(payload["scheduler"])
-    tr.scaler.load_state_dict(payload["scaler"])
+    try:
+        tr.scaler.load_state_dict(payload["scaler"])
+    except RuntimeError:
+        raise ConfigError(
+            f"checkpoint {path} was written with another amp mode (its GradScaler state does not "
+            f"fit this run's); resume with the amp mode it was written with, or resume=never."
+        ) from None
     state.epoch, state.step, state.position = payload["epoch"], payload["step"], payload[
         "position"]
     _set_rng_state(payload["rng"][info.rank])

@@ -79,6 +79,22 @@ def _share_cpu_threads(local_world: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
+def _restart_safe_store(world: int, timeout: timedelta) -> dict[str, Any]:
+    """A store namespaced by the elastic restart attempt.
+
+    Under torchrun (and the in-process launcher) workers share the agent's TCPStore, which
+    outlives a restart; torch 2.14 does not prefix its keys per attempt, so a restarted rank can
+    read a dead peer's address and fail with "Connection refused" (reproduced here with a bare
+    init_process_group script). A prefix per attempt makes every restart start clean.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"ddp_template/attempt_{attempt}", store)}
+
+
 def setup(backend_name: str, timeout_s: int = 600) -> DistInfo:
     """Join the process group described by the environment; a plain process joins none."""
     host = socket.gethostname()
@@ -92,6 +108,7 @@ def setup(backend_name: str, timeout_s: int = 600) -> DistInfo:
     device = choose_device(backend, local_rank)
     _share_cpu_threads(local_world)
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
+    kwargs.update(_restart_safe_store(world, kwargs["timeout"]))
     if device.type == "cuda":
         kwargs["device_id"] = device  # binds NCCL to this GPU and avoids a lazy guess
     if not dist.is_initialized():

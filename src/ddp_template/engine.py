@@ -37,9 +37,10 @@ def check_amp(mode: str, device: torch.device) -> None:
         if mode == "fp16":
             torch.amp.GradScaler(device.type)
     except Exception as exc:
+        fix = "use amp=off" if mode == "bf16" else "use amp=bf16 or amp=off"
         raise ConfigError(
             f"amp.mode={mode} is not supported on {device.type} with torch {torch.__version__} "
-            f"({exc}); use amp=bf16 or amp=off."
+            f"({exc}); {fix}."
         ) from exc
 
 
@@ -167,8 +168,8 @@ def train_one_epoch(tr: Trainer, state: TrainState, on_step: StepHook,
         if i + 1 >= limit:
             break
         waited = time.perf_counter()
+    stats.loss_sum = float(loss_acc.item())  # waits for the device: time the whole epoch
     stats.wall_s = time.perf_counter() - start
-    stats.loss_sum = float(loss_acc.item())
     return stats
 
 

@@ -9,6 +9,7 @@ that launch is refused with the fix.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -98,6 +99,30 @@ def current_run() -> RunInfo:
     return RunInfo(rid, run_dir)
 
 
+def _importable(fn: Any) -> Any:
+    """``fn`` in a form that spawned workers can unpickle.
+
+    Spawned workers import ``fn`` by module and name. ``train.train`` lives in ``__main__``,
+    which is importable only while train.py *is* ``__main__``; under hydra-submitit-launcher
+    (``hydra/launcher=slurm``) ``__main__`` is submitit's runner and the function arrived by
+    value (cloudpickle), so it is sent to the workers by value too.
+    """
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) != "__main__" or getattr(main, fn.__name__, None) is fn:
+        return fn
+    import cloudpickle  # installed with submitit, the only way to get here
+
+    call = functools.partial(_call_pickled, cloudpickle.dumps(fn))
+    call.__name__ = call.__qualname__ = fn.__name__  # type: ignore[attr-defined]  # for the agent
+    return call
+
+
+def _call_pickled(blob: bytes, *args: Any) -> Any:
+    import cloudpickle
+
+    return cloudpickle.loads(blob)(*args)
+
+
 def launch(fn: Any, cfg: DictConfig, run: RunInfo) -> Any:
     """Run ``fn(cfg, run)`` on ``dist.nproc`` local ranks, or directly when already a rank.
 
@@ -122,7 +147,7 @@ def launch(fn: Any, cfg: DictConfig, run: RunInfo) -> Any:
     # message (or traceback, printed below) is the one a user needs.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(config, fn)(cfg, run)
+        results = elastic_launch(config, _importable(fn))(cfg, run)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         if failure.exitcode in (EXIT_CONFIG_ERROR, EXIT_PREEMPTED):  # the rank said why

@@ -96,6 +96,10 @@ class RankLogger:
         log.warning("W&B is off on rank %d; metrics still go to metrics.jsonl", self.info.rank)
         return None
 
+    @property
+    def wandb_id(self) -> str | None:
+        return self.wandb.id if self.wandb is not None else None
+
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row = {"step": step, **metrics}
         self.jsonl.write(json.dumps(row) + "\n")
