@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,8 +41,17 @@ def train_cmd(out: Path, *overrides: str, launcher: list[str] | None = None) -> 
 
 def run(cmd: list[str], timeout: float = 240, env: dict[str, str] | None = None,
         check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=env or run_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    # A session of its own: on a timeout the whole tree (agent, ranks, loader workers) dies.
+    with subprocess.Popen(cmd, cwd=ROOT, env=env or run_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            raise AssertionError(
+                f"timed out after {timeout} s\n{out[-3000:]}\n{err[-3000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-6000:]}")

@@ -60,10 +60,27 @@ def run_id() -> str:
     return _RUN_ID
 
 
+def config_groups(conf_dir: str) -> str:
+    """``--help``'s list of config groups and options, read from the YAML files on disk.
+
+    Hydra's own ``$APP_CONFIG_GROUPS`` would also list the schemas registered in ConfigStore.
+    """
+    root = Path(conf_dir)
+    lines = []
+    for group in sorted(p for p in root.iterdir() if p.is_dir() and p.name not in SKIP_GROUPS):
+        options = sorted(f.stem for f in group.glob("*.yaml"))
+        lines.append(f"  {group.name:<11} {', '.join(options)}")
+    return "\n".join(lines)
+
+
+SKIP_GROUPS = ("hydra", "local")
+
+
 def register_resolvers() -> None:
     """Resolvers used by conf/config.yaml's ``hydra:`` section; call before ``@hydra.main``."""
     resolvers = {
         "run_id": run_id,
+        "config_groups": config_groups,
         # Only rank 0 writes .hydra/ and train.log; other ranks of a torchrun job log to
         # rank<r>.log in the same directory.
         "hydra_subdir": lambda: ".hydra" if env_rank() == 0 else None,

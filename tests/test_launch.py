@@ -1,0 +1,113 @@
+"""Every way a user starts a run: in-process ranks, failures, concurrency, multi-node, help."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from helpers import (
+    PY,
+    ROOT,
+    TORCHRUN,
+    free_port,
+    jsonl,
+    run,
+    run_dirs,
+    run_env,
+    summary,
+    torchrun,
+    train_cmd,
+)
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_template.data.accounting import fingerprint
+
+TINY = ["logger=none", "epochs=1", "max_steps_per_epoch=4"]
+
+
+def _leftovers(marker: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in part for part in p.info["cmdline"] or []):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def test_failing_rank_stops_all_with_its_traceback(tmp_path: Path) -> None:
+    cmd = train_cmd(tmp_path, "dist.nproc=2", "logger=none", "fault.crash_at_step=3",
+                    "fault.rank=1")
+    proc = run(cmd, timeout=60, check=False)  # torchrun semantics: everyone stops, promptly
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "rank 1 failed" in out and "Traceback" in out
+    assert "RuntimeError: fault injected: rank 1 crashes after step 3" in out
+    assert not _leftovers(str(tmp_path))  # no worker (or DataLoader worker) left behind
+
+
+def test_two_runs_at_once_do_not_collide(tmp_path: Path) -> None:
+    procs = [subprocess.Popen(train_cmd(tmp_path / str(i), "dist.nproc=2", *TINY), cwd=ROOT,
+                              env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, outputs[i][-3000:]
+        (d,) = run_dirs(tmp_path / str(i))
+        assert summary(d)["world_size"] == 2
+
+
+def test_multirun_under_torchrun_is_refused(tmp_path: Path) -> None:
+    proc = run(train_cmd(tmp_path, "-m", "seed=0,1", *TINY, launcher=torchrun(2)), check=False)
+    assert proc.returncode != 0
+    assert "dist.nproc=N" in proc.stdout + proc.stderr
+
+
+def test_two_nodes_two_ranks_each_on_localhost(tmp_path: Path) -> None:
+    port, rdzv_id = free_port(), "twonodes"
+    agents = []
+    for _node in range(2):
+        launcher = [*TORCHRUN, "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}"]
+        cmd = train_cmd(tmp_path, "logger=none", "epochs=1", "data=synthetic", "data.size=37",
+                        "data.eval_size=9", "data.image_size=8", "batch_size=4",
+                        launcher=launcher)
+        agents.append(subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True))
+    outputs = [a.communicate(timeout=300)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    (run_dir,) = run_dirs(tmp_path)
+    assert run_dir.name == rdzv_id and summary(run_dir)["world_size"] == 4
+    for rank in range(4):
+        want = list(DistributedSampler(range(37), num_replicas=4, rank=rank, seed=0))
+        (row,) = [r for r in jsonl(run_dir / f"rank{rank}" / "metrics.jsonl")
+                  if "data/samples" in r]
+        assert row["data/samples"] == len(want) == 10
+        assert row["data/fingerprint"] == fingerprint(np.array(want))
+    assert sorted(p.name for p in run_dir.glob("rank*.log")) == ["rank1.log", "rank2.log",
+                                                                  "rank3.log"]
+
+
+def test_help_lists_groups_and_launch_commands() -> None:
+    proc = run([PY, str(ROOT / "train.py"), "--help"], timeout=60)
+    for line in ("sampler     drop_last, padded, sequential", "amp         bf16, fp16, off",
+                 "torchrun --standalone --nproc-per-node=2 train.py", "dist.nproc=2",
+                 "hydra/launcher=slurm", "multinode.sbatch"):
+        assert line in proc.stdout
+    assert "_schema" not in proc.stdout
+
+
+@pytest.mark.parametrize("env_key", ["TORCHELASTIC_RUN_ID", "RUN_ID"])
+def test_run_id_sources(env_key: str) -> None:
+    from ddp_template.launch import compute_run_id
+
+    assert compute_run_id({env_key: "abc"}) == "abc"
+    multi = {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    from ddp_template.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--rdzv-id"):
+        compute_run_id(multi)
