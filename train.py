@@ -28,11 +28,13 @@ from ddp_template.data.loader import (
     reseed_for_epoch,
 )
 from ddp_template.engine import (
+    EvalResult,
     Trainer,
     TrainState,
     check_amp,
     evaluate,
     make_scaler,
+    steps_this_epoch,
     train_one_epoch,
 )
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_PREEMPTED, ConfigError
@@ -40,9 +42,9 @@ from ddp_template.logging import (
     RankLogger,
     draw_shards_async,
     log,
+    log_eval,
     report_epoch,
     setup_console,
-    write_summary,
 )
 from ddp_template.models import build_model, convert_syncbn
 from ddp_template.optim import build_optimizer, build_scheduler
@@ -75,81 +77,79 @@ def build(cfg: DictConfig, info: distributed.DistInfo) -> tuple[Trainer, object]
     return tr, splits
 
 
-def train(cfg: DictConfig, run: launch.RunInfo) -> float:
-    """One rank's whole run; returns the final eval accuracy (the sweep objective)."""
-    info = distributed.setup(cfg.backend.name.value, cfg.backend.timeout_s)
-    setup_console(info, run.run_dir)
-    logger = preempt = None
-    exit_code = 1
+def resume(cfg: DictConfig, run: launch.RunInfo, tr: Trainer,
+           info: distributed.DistInfo) -> tuple[TrainState, checkpoint.Checkpointer]:
+    """Continue from the newest valid checkpoint (resume=auto), a given file, or not at all."""
+    state = TrainState()
+    ckpt = checkpoint.Checkpointer(run.run_dir / "checkpoints", cfg.checkpoint.every_steps,
+                                   cfg.checkpoint.keep, cfg.checkpoint.enabled, info)
+    found = checkpoint.resume_rank0(cfg.resume, ckpt.directory, info)
+    if found:
+        checkpoint.restore(found[1], found[0], tr, state, info)
+        log.info("resumed from %s at epoch %d, step %d", found[0], state.epoch, state.step)
+    return state, ckpt
+
+
+def fit(cfg: DictConfig, tr: Trainer, state: TrainState, ckpt: checkpoint.Checkpointer,
+        logger: RankLogger, eval_loader: object) -> EvalResult:
+    """The epoch loop: set_epoch → train → account for the data → evaluate → checkpoint."""
+    info = tr.info
+    preempt = checkpoint.Preemption(info)
+
+    def after_step(s: TrainState) -> bool:
+        logger.step()
+        faults.maybe_fire(cfg.fault, s.step, info.rank)
+        stop = preempt.requested()  # SIGTERM/SIGUSR1 on any rank stops all at one step
+        if stop or ckpt.due(s.step):
+            ckpt.save(tr, s, cfg, logger.wandb_id)
+        return stop
+
+    result = None
     try:
-        tr, splits = build(cfg, info)
-        eval_loader = build_eval_loader(splits.eval, cfg, info)
-        state = TrainState()
-        ckpt = checkpoint.Checkpointer(run.run_dir / "checkpoints", cfg.checkpoint.every_steps,
-                                       cfg.checkpoint.keep, cfg.checkpoint.enabled, info)
-        found = checkpoint.resume_rank0(cfg.resume, ckpt.directory, info)
-        if found:
-            checkpoint.restore(found[1], found[0], tr, state, info)
-            log.info("resumed from %s at epoch %d, step %d", found[0], state.epoch, state.step)
-        logger = RankLogger(cfg, run, info)
-        distributed.barrier(info)  # every rank's W&B run exists before anyone logs
-        preempt = checkpoint.Preemption(info)
-
-        picture = draw_shards_async(tr.sampler, run.run_dir) if info.is_main else None
-
-        def after_step(s: TrainState) -> bool:
-            logger.step()
-            faults.maybe_fire(cfg.fault, s.step, info.rank)
-            stop = preempt.requested()
-            if stop or ckpt.due(s.step):
-                ckpt.save(tr, s, cfg, logger.wandb_id)
-            return stop
-
-        result = None
         for epoch in range(state.epoch, cfg.epochs):
             state.epoch, start = epoch, state.position
-            tr.sampler.set_epoch(epoch)
+            tr.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
             reseed_for_epoch(tr.loader, cfg.seed, info.rank, epoch)
-            logger.start_epoch(epoch, len(tr.loader))
+            logger.start_epoch(epoch, steps_this_epoch(tr, state))
             stats = train_one_epoch(tr, state, after_step, logger.log_interval)
             logger.end_epoch()
             report_epoch(logger, tr.sampler, stats, start, epoch, state.step)
             if stats.stopped:
-                exit_code = EXIT_PREEMPTED
-                raise SystemExit(EXIT_PREEMPTED)
-            result = evaluate(tr.model.module if info.distributed else tr.model, eval_loader,
-                              info, tr.amp_mode)
-            logger.log({"eval/accuracy": result.accuracy, "eval/loss": result.loss,
-                        "eval/correct": result.correct, "epoch": epoch}, state.step)
-            log.info("epoch %d: eval accuracy %.4f, loss %.4f", epoch, result.accuracy,
-                     result.loss)
+                raise SystemExit(EXIT_PREEMPTED)  # checkpointed: a requeue continues
+            result = evaluate(tr.module, eval_loader, info, tr.amp_mode)
+            log_eval(logger, result, epoch, state.step)
             state.epoch, state.position = epoch + 1, 0
             ckpt.save(tr, state, cfg, logger.wandb_id, epoch_end=True)
-        if result is None:  # epochs=0, or a finished run resumed: evaluate what we have
-            result = evaluate(tr.model.module if info.distributed else tr.model, eval_loader,
-                              info, tr.amp_mode)
-        if picture is not None:
-            picture.join()
-            logger.log_image("shards/layout", run.run_dir / "shards.png")
-        if info.is_main:
-            path = write_summary(run.run_dir, {
-                "eval_accuracy": result.accuracy, "eval_correct": result.correct,
-                "eval_count": result.count, "eval_loss": result.loss,
-                "train_size": len(splits.train), "eval_size": len(splits.eval),
-                "world_size": info.world_size, "epochs": cfg.epochs, "steps": state.step,
-                "run_id": run.run_id})
-            log.info("final test accuracy %.4f (%d/%d) — run dir %s", result.accuracy,
-                     result.correct, result.count, run.run_dir)
-            log.info("summary: %s", path)
+    finally:
+        preempt.close()
+    # epochs=0, or a finished run resumed: evaluate the model as it is.
+    return result or evaluate(tr.module, eval_loader, info, tr.amp_mode)
+
+
+def train(cfg: DictConfig, run: launch.RunInfo) -> float:
+    """One rank's whole run; returns the final eval accuracy (the sweep objective)."""
+    info = distributed.setup(cfg.backend.name.value, cfg.backend.timeout_s)
+    setup_console(info, run.run_dir)
+    logger, exit_code = None, 1
+    try:
+        tr, splits = build(cfg, info)
+        eval_loader = build_eval_loader(splits.eval, cfg, info)
+        state, ckpt = resume(cfg, run, tr, info)
+        logger = RankLogger(cfg, run, info)
+        distributed.barrier(info)  # every rank's W&B run exists before anyone logs
+        picture = draw_shards_async(tr.sampler, run.run_dir) if info.is_main else None
+        result = fit(cfg, tr, state, ckpt, logger, eval_loader)
+        logger.finish_run(result, splits, state.step, picture)
         exit_code = 0
         return result.accuracy
     except ConfigError as exc:  # one sentence, no traceback: the message says the fix
         log.error("%s", exc)
         exit_code = EXIT_CONFIG_ERROR
         raise SystemExit(EXIT_CONFIG_ERROR) from None
+    except SystemExit as exc:
+        exit_code = exc.code if isinstance(exc.code, int) else 1
+        raise
     finally:
-        if preempt is not None:
-            preempt.close()
         if logger is not None:
             logger.finish(exit_code)
         distributed.teardown()

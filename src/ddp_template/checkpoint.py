@@ -91,10 +91,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(_bytes_tensor(state["cuda"]))
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if hasattr(model, "module") else model
-
-
 def _epoch_number(path: Path) -> int:
     m = re.fullmatch(r"epoch_(\d+)\.pt", path.name)
     return int(m.group(1)) if m else -1
@@ -116,7 +112,7 @@ class Checkpointer:
                 "wandb_id": wandb_id}
         ranks = gather_objects(mine, self.info)
         return {
-            "format": FORMAT_VERSION, "model": _unwrap(tr.model).state_dict(),
+            "format": FORMAT_VERSION, "model": tr.module.state_dict(),
             "optimizer": tr.optimizer.state_dict(), "scheduler": tr.scheduler.state_dict(),
             "scaler": tr.scaler.state_dict(), "epoch": state.epoch, "step": state.step,
             "position": state.position, "sampler": [r["sampler"] for r in ranks],
@@ -198,7 +194,7 @@ def restore(payload: dict[str, Any], path: Path, tr: Trainer, state: TrainState,
     except ValueError as exc:
         raise ConfigError(f"checkpoint {path}: {exc}") from None
     try:
-        _unwrap(tr.model).load_state_dict(payload["model"])
+        tr.module.load_state_dict(payload["model"])
     except RuntimeError as exc:
         raise ConfigError(
             f"checkpoint {path} holds a different model ({str(exc).splitlines()[0][:100]}); "

@@ -81,6 +81,11 @@ class Trainer:
     max_steps_per_epoch: int | None = None
     keep_indices: bool = False
 
+    @property
+    def module(self) -> nn.Module:
+        """The unwrapped model: what is evaluated and checkpointed."""
+        return getattr(self.model, "module", self.model)
+
 
 @dataclass
 class EpochStats:
@@ -122,7 +127,8 @@ def _step(tr: Trainer, x: torch.Tensor, y: torch.Tensor, want_norm: bool) -> tup
     return loss.detach(), norm
 
 
-def _steps_this_epoch(tr: Trainer, state: TrainState) -> int:
+def steps_this_epoch(tr: Trainer, state: TrainState) -> int:
+    """Steps the coming epoch will run from ``state.position`` (after any step cap)."""
     remaining = len(tr.loader)
     if tr.max_steps_per_epoch is not None:
         done = state.position // tr.loader.batch_size
@@ -135,7 +141,7 @@ def train_one_epoch(tr: Trainer, state: TrainState, on_step: StepHook,
     """One pass over this rank's shard from ``state.position``; updates ``state`` in place."""
     tr.model.train()
     stats = EpochStats(IndexTally(keep=tr.keep_indices))
-    limit = _steps_this_epoch(tr, state)
+    limit = steps_this_epoch(tr, state)
     if limit == 0:
         return stats
     loss_acc = torch.zeros((), device=tr.info.device)

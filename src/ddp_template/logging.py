@@ -143,6 +143,22 @@ class RankLogger:
 
             self.wandb.log({key: wandb.Image(str(path))})
 
+    def finish_run(self, result: Any, splits: Any, steps: int, picture: Any) -> None:
+        """Rank 0: the shard picture to W&B, summary.json, and the closing lines."""
+        if picture is not None:
+            picture.join()
+            self.log_image("shards/layout", self.run.run_dir / "shards.png")
+        if not self.info.is_main:
+            return
+        path = write_summary(self.run.run_dir, {
+            "eval_accuracy": result.accuracy, "eval_correct": result.correct,
+            "eval_count": result.count, "eval_loss": result.loss,
+            "train_size": len(splits.train), "eval_size": len(splits.eval),
+            "world_size": self.info.world_size, "steps": steps, "run_id": self.run.run_id})
+        log.info("final test accuracy %.4f (%d/%d) — run dir %s", result.accuracy,
+                 result.correct, result.count, self.run.run_dir)
+        log.info("summary: %s", path)
+
     def finish(self, exit_code: int = 0) -> None:
         """Close the JSONL and the W&B run; called on every exit path."""
         self.end_epoch()
@@ -151,6 +167,12 @@ class RankLogger:
         if self.wandb is not None:
             self.wandb.finish(exit_code=exit_code)
             self.wandb = None
+
+
+def log_eval(logger: RankLogger, result: Any, epoch: int, step: int) -> None:
+    logger.log({"eval/accuracy": result.accuracy, "eval/loss": result.loss,
+                "eval/correct": result.correct, "epoch": epoch}, step)
+    log.info("epoch %d: eval accuracy %.4f, loss %.4f", epoch, result.accuracy, result.loss)
 
 
 def _epoch_observed(stats: Any, duplicates: int) -> dict[str, Any]:
@@ -168,7 +190,7 @@ def report_epoch(logger: RankLogger, sampler: Any, stats: Any, start: int, epoch
     ``start`` is the sampler position the epoch began at (non-zero after a mid-epoch resume).
     Returns the shard report on rank 0 (None elsewhere). A collective: call on every rank.
     """
-    from ddp_template.data.accounting import fingerprint_hex, shard_report
+    from ddp_template.data.accounting import expected_fingerprint, fingerprint_hex, shard_report
     from ddp_template.distributed import gather_objects
 
     end = start + stats.tally.samples
@@ -179,9 +201,8 @@ def report_epoch(logger: RankLogger, sampler: Any, stats: Any, start: int, epoch
     observed = gather_objects(_epoch_observed(stats, duplicates), logger.info)
     if not logger.info.is_main:
         return None
-    expected = None
-    if stats.tally.keep:
-        expected = [sampler.rank_indices(r)[start:] for r in range(logger.info.world_size)]
+    expected = [expected_fingerprint(sampler, r, start, o["samples"])
+                for r, o in enumerate(observed)]
     report = shard_report(sampler.mode, sampler.dataset_size, observed, expected)
     _log_report(logger, report, observed, epoch, step)
     return report

@@ -1,0 +1,108 @@
+"""The classic DDP recipe written plainly: the baseline the template's overhead is measured against.
+
+    torchrun --standalone --nproc-per-node=2 benchmarks/bare_ddp.py [--out bare.json]
+
+Same job as ``python train.py`` with its defaults: the template's small_cnn (imported, so the
+same model by construction) on scikit-learn digits with the same split, 32 samples per rank per
+step, SGD lr 0.1, momentum 0.9, Nesterov, weight decay 5e-4 on weights only (not on biases and
+norm parameters, like the template), a per-step cosine schedule, 10 epochs, gloo on CPU. No Hydra,
+no logging, no evaluation, no checkpoints, no data accounting.
+
+Each rank prints one JSON line (and writes it to ``--out``, ``{rank}`` replaced by the rank):
+seconds from process start to the end of the first optimizer step, per-epoch wall time and
+samples/s of the training loop (timed like the template's ``perf/samples_per_s``: from creating
+the epoch's iterator to the end of its last step, data wait included) and peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import time
+
+
+def _since_start():
+    """Seconds since this process started (see _first_step_probe.py for why not psutil)."""
+    with open("/proc/self/stat") as f:
+        start = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+    return lambda: time.clock_gettime(time.CLOCK_BOOTTIME) - start
+
+
+since_start = _since_start()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+from torch.utils.data.distributed import DistributedSampler  # noqa: E402
+
+from ddp_template.data.datasets import digits  # noqa: E402
+from ddp_template.models import small_cnn  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="JSON file per rank; {rank} is replaced by the rank")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR/PORT from torchrun
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    train = digits().train
+    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True,
+                                 seed=args.seed)
+    loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler)
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    model = small_cnn(num_classes=10, in_channels=1, image_size=8)
+    ddp = DDP(model)
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    optimizer = torch.optim.SGD([{"params": decay, "weight_decay": args.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}],
+                                lr=args.lr, momentum=0.9, nesterov=True)
+    total = args.epochs * len(loader)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(1.0, s / total))))
+
+    first_step_s, epochs = None, []
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        samples, start = 0, time.perf_counter()
+        for x, y, _ in loader:
+            loss = F.cross_entropy(ddp(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            samples += len(y)
+            if first_step_s is None:
+                first_step_s = since_start()
+        wall = time.perf_counter() - start
+        epochs.append({"epoch": epoch, "wall_s": wall, "samples": samples,
+                       "samples_per_s": samples / wall, "loss_last_batch": loss.item()})
+
+    result = {"rank": rank, "world_size": world, "first_step_s": first_step_s,
+              "epochs": epochs, "peak_rss_mib": resource.getrusage(
+                  resource.RUSAGE_SELF).ru_maxrss / 1024}
+    dist.destroy_process_group()
+    print(json.dumps(result))
+    if args.out:
+        with open(args.out.replace("{rank}", str(rank)), "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

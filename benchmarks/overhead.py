@@ -1,0 +1,211 @@
+"""What the template costs: train.py against the bare DDP recipe (benchmarks/bare_ddp.py).
+
+    python benchmarks/overhead.py [--repeats 3] [--nproc 2] [--out benchmarks/overhead_results.md]
+                                  [--epochs N] [-- extra train.py overrides]
+
+Runs, in one invocation and alternating (the order rotates every repeat, so slow drifts in
+machine load hit every variant alike), under ``torchrun --standalone --nproc-per-node=N``
+(gloo, CPU, W&B offline):
+
+* ``bare``: benchmarks/bare_ddp.py, the classic loop (no Hydra, logging, eval or checkpoints);
+* ``template logger=none`` and ``template logger=wandb`` (offline): train.py with its defaults.
+
+Every rank runs under benchmarks/_first_step_probe.py, so both programs are measured alike:
+seconds from process start to the end of the first optimizer step and peak RSS. Steady-state
+samples/s is the mean over epochs >= 1 of each epoch's training-loop samples/s (the template's
+``perf/samples_per_s`` from ``rank<r>/metrics.jsonl``; bare_ddp.py times its loop the same way:
+iterator creation to the end of the last step, data wait included, eval and checkpoints
+excluded), averaged over ranks. "total wall s" is the whole torchrun command, so it includes what
+the template does besides training (eval, shard report, checkpoints, W&B) and the bare loop does
+not. Ratios are template / bare within the same repeat; the spread is min-max over repeats.
+
+Targets: samples/s >= 0.98x bare with logger=none and >= 0.95x with W&B offline; time to the first
+optimizer step <= 1.3x bare's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = "benchmarks/_first_step_probe.py"
+MARKS = ["script", "hydra_main", "hydra_composed", "pg_init", "pg_ready", "ddp", "ddp_ready",
+         "logger", "logger_ready"]
+TARGETS = {"none": (0.98, 1.3), "wandb": (0.95, 1.3)}  # (samples/s floor, first-step ceiling)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=None, help="both programs (default: 10)")
+    p.add_argument("--variants", nargs="+", default=["none", "wandb"],
+                   help="template logger variants to run")
+    p.add_argument("--out", type=Path, help="also write the Markdown report here")
+    p.add_argument("--keep", type=Path, help="keep run directories under this folder")
+    p.add_argument("overrides", nargs="*", help="extra train.py overrides (after --)")
+    return p.parse_args()
+
+
+def _torchrun(nproc: int) -> list[str]:
+    exe = Path(sys.executable).with_name("torchrun")
+    return [str(exe), "--standalone", f"--nproc-per-node={nproc}", PROBE]
+
+
+def run_once(variant: str, args: argparse.Namespace, work: Path, tag: str) -> dict:
+    """One torchrun launch; returns per-rank probe results, per-epoch samples/s and wall time."""
+    run_dir = work / tag
+    run_dir.mkdir(parents=True)
+    env = dict(os.environ, WANDB_MODE="offline", PROBE_OUT=str(run_dir / "probe{rank}.json"),
+               RUN_ID=tag, PYTHONUNBUFFERED="1")
+    env.pop("OMP_NUM_THREADS", None)  # torchrun sets 1 per rank for both, as users get it
+    if variant == "bare":
+        cmd = ["benchmarks/bare_ddp.py", "--out", str(run_dir / "bare{rank}.json")]
+        if args.epochs is not None:
+            cmd += ["--epochs", str(args.epochs)]
+    else:
+        cmd = ["train.py", f"logger={variant}", f"paths.output_root={work}", *args.overrides]
+        if args.epochs is not None:
+            cmd.append(f"epochs={args.epochs}")
+    cmd = _torchrun(args.nproc) + cmd
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    (run_dir / "output.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        sys.exit(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{tail}")
+    ranks = []
+    for r in range(args.nproc):
+        probe = json.loads((run_dir / f"probe{r}.json").read_text())
+        if variant == "bare":
+            rows = json.loads((run_dir / f"bare{r}.json").read_text())["epochs"]
+            sps = [row["samples_per_s"] for row in rows]
+        else:
+            lines = (run_dir / f"rank{r}" / "metrics.jsonl").read_text().splitlines()
+            rows = [json.loads(line) for line in lines]
+            sps = [row["perf/samples_per_s"] for row in rows
+                   if "epoch" in row and "perf/samples_per_s" in row]
+        ranks.append({**probe, "epoch_sps": sps})
+    return {"variant": variant, "wall_s": wall, "load": (load_before + os.getloadavg()[0]) / 2,
+            "ranks": ranks, "command": shlex.join(cmd)}
+
+
+def summarise(run: dict) -> dict:
+    ranks = run["ranks"]
+    steady = [statistics.mean(r["epoch_sps"][1:]) for r in ranks if len(r["epoch_sps"]) > 1]
+    marks = {m: statistics.mean(r["marks"][m] for r in ranks) for m in MARKS
+             if all(m in r["marks"] for r in ranks)}
+    return {"sps": statistics.mean(steady) if steady else float("nan"),
+            "first_step_s": statistics.mean(r["first_step_s"] for r in ranks),
+            "rss": [r["peak_rss_mib"] for r in ranks],
+            "child_rss": max(r.get("children_peak_rss_mib", 0.0) for r in ranks),
+            "wall_s": run["wall_s"], "load": run["load"], "marks": marks,
+            "exit_s": statistics.mean(r["exit_s"] for r in ranks)}
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    mean = statistics.mean(values)
+    if len(values) == 1:
+        return format(mean, fmt)
+    return f"{format(mean, fmt)} ({format(min(values), fmt)}–{format(max(values), fmt)})"
+
+
+def _std(values: list[float], fmt: str) -> str:
+    mean = statistics.mean(values)
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{format(mean, fmt)} ± {format(std, fmt)}"
+
+
+def report(results: dict[str, list[dict]], args: argparse.Namespace, command: str) -> str:
+    bare = results["bare"]
+    names = {"bare": "bare DDP (benchmarks/bare_ddp.py)", "none": "template, logger=none",
+             "wandb": "template, logger=wandb (offline)"}
+    loads = [s["load"] for runs in results.values() for s in runs]
+    out = [f"Command: `{command}`", "",
+           f"{args.nproc} ranks, torchrun --standalone, gloo on CPU ({os.cpu_count()} cores), "
+           f"{args.repeats} repeats alternating; 1-min load average during the runs: "
+           f"{min(loads):.2f}–{max(loads):.2f} (mean {statistics.mean(loads):.2f}).", "",
+           "Values: mean over repeats (min–max) or ± std; ratios are template ÷ bare within the "
+           "same repeat, mean (min–max).", "",
+           "| variant | steady samples/s | ÷ bare | first step s | ÷ bare | peak RSS MiB "
+           + " / ".join(f"r{r}" for r in range(args.nproc))
+           + " | ÷ bare | child procs MiB | total wall s | ÷ bare |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for variant, runs in results.items():
+        def ratio(key, runs=runs, variant=variant):
+            if variant == "bare":
+                return "—"
+            return _spread([key(t) / key(b) for t, b in zip(runs, bare, strict=True)], ".3f")
+        rss = " / ".join(_spread([s["rss"][r] for s in runs], ".0f") for r in range(args.nproc))
+        out.append(
+            f"| {names[variant]} | {_std([s['sps'] for s in runs], '.0f')} | "
+            f"{ratio(lambda s: s['sps'])} | {_std([s['first_step_s'] for s in runs], '.2f')} | "
+            f"{ratio(lambda s: s['first_step_s'])} | {rss} | {ratio(lambda s: max(s['rss']))} | "
+            f"{statistics.mean(s['child_rss'] for s in runs):.0f} | "
+            f"{_std([s['wall_s'] for s in runs], '.2f')} | {ratio(lambda s: s['wall_s'])} |")
+    out += ["", "Milestones, seconds from process start (mean over ranks and repeats); "
+            "`script`: the probe has imported torch (and, for train.py, hydra and ddp_template) "
+            "and starts the script; `hydra_main`→`hydra_composed`: Hydra composition; "
+            "`pg_*`: init_process_group; `ddp*`: the DDP constructor; `logger*`: RankLogger "
+            "(W&B init).", "",
+            "| variant | " + " | ".join(MARKS) + " | first step | exit |",
+            "|---|" + "---:|" * (len(MARKS) + 2)]
+    for variant, runs in results.items():
+        cells = []
+        for m in MARKS:
+            vals = [s["marks"][m] for s in runs if m in s["marks"]]
+            cells.append(f"{statistics.mean(vals):.2f}" if vals else "—")
+        out.append(f"| {names[variant]} | " + " | ".join(cells) + " | "
+                   f"{statistics.mean(s['first_step_s'] for s in runs):.2f} | "
+                   f"{statistics.mean(s['exit_s'] for s in runs):.2f} |")
+    out += ["", "Targets:"]
+    for variant in results:
+        if variant == "bare" or variant not in TARGETS:
+            continue
+        floor, ceiling = TARGETS[variant]
+        pairs = list(zip(results[variant], bare, strict=True))
+        sps = statistics.mean(t["sps"] / b["sps"] for t, b in pairs)
+        first = statistics.mean(t["first_step_s"] / b["first_step_s"] for t, b in pairs)
+        out.append(f"- {names[variant]}: samples/s {sps:.3f}× bare (target ≥ {floor}) "
+                   f"{'MET' if sps >= floor else 'MISSED'}; first step {first:.2f}× bare "
+                   f"(target ≤ {ceiling}) {'MET' if first <= ceiling else 'MISSED'}")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    args = parse_args()
+    command = shlex.join([Path(sys.executable).relative_to(ROOT).as_posix()
+                          if Path(sys.executable).is_relative_to(ROOT) else sys.executable,
+                          *sys.argv])
+    variants = ["bare", *args.variants]
+    results: dict[str, list[dict]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
+        work = args.keep or Path(tmp)
+        for rep in range(args.repeats):
+            order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+            for variant in order:
+                tag = f"{variant}-{rep}-{time.strftime('%H%M%S')}"
+                summary = summarise(run_once(variant, args, work, tag))
+                results[variant].append(summary)
+                print(f"repeat {rep} {variant:>5}: {summary['sps']:7.0f} samples/s, first step "
+                      f"{summary['first_step_s']:.2f} s, RSS {max(summary['rss']):.0f} MiB, "
+                      f"wall {summary['wall_s']:.2f} s, load {summary['load']:.2f}", flush=True)
+    text = report(results, args, command)
+    print("\n" + text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
