@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +80,7 @@ def test_save_layout_png_for_a_run(tmp_path: Path) -> None:
 
 
 def _big_layout(n: int, world: int) -> ShardLayout:
-    """A padded layout from plain arrays, so the test times drawing, not the sampler."""
+    """A padded layout from plain arrays (no sampler involved)."""
     per_rank = -(-n // world)
     slots = np.arange(per_rank * world)
     order = np.random.default_rng(0).permutation(n)[slots % n]
@@ -97,12 +96,10 @@ def test_large_n_is_summarised_not_drawn_cell_by_cell(tmp_path: Path) -> None:
     from matplotlib.figure import Figure
 
     layout = _big_layout(1_000_000, 3)
-    started = time.perf_counter()
     _png_size(save_layout_png(tmp_path / "big.png", layout))
-    assert time.perf_counter() - started < 10  # per-slot cells would take minutes
     fig = Figure()
     draw_layout(fig.subplots(), layout)
-    assert len(list(fig.findobj())) < 2000
+    assert len(list(fig.findobj())) < 2000  # a summary, not a million cells
 
 
 def test_import_is_light_and_drawing_leaves_pyplot_alone(tmp_path: Path) -> None:
