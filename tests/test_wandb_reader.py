@@ -33,16 +33,13 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def _init(run_dir: Path, name: str, config: dict):
+    return wandb.init(mode="offline", dir=run_dir, project="p", group="g", job_type="worker",
+                      name=name, config=config)
+
+
 def _worker_run(run_dir: Path) -> None:
-    run = wandb.init(
-        mode="offline",
-        dir=run_dir,
-        project="p",
-        group="g",
-        job_type="worker",
-        name="n-rank1",
-        config=CONFIG,
-    )
+    run = _init(run_dir, "n-rank1", CONFIG)
     run.define_metric("epoch")
     run.define_metric("data/*", step_metric="epoch")
     run.config.update({"rank": 1, "world_size": 2})  # a second config record, merged
@@ -60,15 +57,7 @@ def _worker_run(run_dir: Path) -> None:
 
 
 def _big_run(run_dir: Path) -> None:
-    run = wandb.init(
-        mode="offline",
-        dir=run_dir,
-        project="p",
-        group="g",
-        job_type="worker",
-        name="n-rank2",
-        config={"blob": BIG},
-    )
+    run = _init(run_dir, "n-rank2", {"blob": BIG})
     run.log({"nested": {"a": 1, "b": {"c": 2.5}}, "text": BIG})
     run.config.update({"blob": "short"}, allow_val_change=True)
     run.finish(exit_code=3)
