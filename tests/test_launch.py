@@ -111,3 +111,14 @@ def test_run_id_sources(env_key: str) -> None:
 
     with pytest.raises(ConfigError, match="--rdzv-id"):
         compute_run_id(multi)
+
+
+def test_optuna_sweep_preset_maximises_eval_accuracy(tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e '.[optuna]'")
+    proc = run(train_cmd(tmp_path, "-m", "hydra/sweeper=optuna_lr", "hydra.sweeper.n_trials=2",
+                         "dist.nproc=2", *TINY))
+    (sweep,) = run_dirs(tmp_path, "multirun")
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    assert len(jobs) == 2
+    best = max(summary(j)["eval_accuracy"] for j in jobs)
+    assert f"Best value: {best}" in proc.stdout + proc.stderr
