@@ -111,8 +111,9 @@ class RankLogger:
         if self.info.is_main:
             from tqdm import tqdm
 
+            # disable=None: a bar on a terminal, nothing in a redirected log or CI output.
             self.bar = tqdm(total=total, desc=f"epoch {epoch}", unit="step", mininterval=1.0,
-                            dynamic_ncols=True, leave=False)
+                            dynamic_ncols=True, leave=False, disable=None)
 
     def step(self) -> None:
         if self.bar is not None:
