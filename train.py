@@ -137,6 +137,7 @@ def train(cfg: DictConfig, run: launch.RunInfo) -> float:
         state, ckpt = resume(cfg, run, tr, info)
         logger = RankLogger(cfg, run, info)
         distributed.barrier(info)  # every rank's W&B run exists before anyone logs
+        logger.log_sizes(splits, state.step)
         picture = draw_shards_async(tr.sampler, run.run_dir) if info.is_main else None
         result = fit(cfg, tr, state, ckpt, logger, eval_loader)
         logger.finish_run(result, splits, state.step, picture)

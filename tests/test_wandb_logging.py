@@ -108,6 +108,8 @@ def test_interval_rows_share_one_step_axis(mode_run) -> None:
 def test_rank0_logs_eval_and_picture(mode_run) -> None:
     _, run_dir, runs = mode_run
     assert len(rows_with(runs[0], "eval/accuracy")) == EPOCHS
+    (sizes,) = rows_with(runs[0], "data/train_size")
+    assert (sizes["data/train_size"], sizes["data/eval_size"]) == (N, 5)
     assert (run_dir / "shards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -106,6 +106,12 @@ class RankLogger:
         if self.wandb is not None:
             self.wandb.log(row)
 
+    def log_sizes(self, splits: Any, step: int) -> None:
+        """Rank 0 records the dataset sizes once, next to its eval metrics."""
+        if self.info.is_main:
+            self.log({"data/train_size": len(splits.train), "data/eval_size": len(splits.eval),
+                      "data/world_size": self.info.world_size}, step)
+
     def start_epoch(self, epoch: int, total: int) -> None:
         """Rank 0's progress bar (epoch, step, samples/s, loss); other ranks stay quiet."""
         if self.info.is_main:
