@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import jsonl, run, run_dirs, train_cmd
+from helpers import jsonl, run, run_dirs, run_env, train_cmd
 from torch.utils.data.distributed import DistributedSampler
 from wandb_reader import OfflineRun, find_runs
 
@@ -136,3 +136,20 @@ def test_multirun_jobs_are_separate_groups(tmp_path: Path) -> None:
         assert (job / "summary.json").is_file()
     assert len(set(groups)) == 2
     assert not run_dirs(tmp_path, "outputs")  # no stray run directories
+
+
+def test_wandb_that_cannot_go_online_falls_back_to_offline(tmp_path: Path) -> None:
+    """No API key and a closed local port as the server: nothing leaves this machine."""
+    env = run_env(WANDB_BASE_URL="http://127.0.0.1:9", HOME=str(tmp_path / "home"),
+                  WANDB_CONFIG_DIR=str(tmp_path / "home"))
+    env.pop("WANDB_MODE")
+    env.pop("WANDB_API_KEY", None)
+    proc = run(train_cmd(tmp_path, "logger.mode=online", "dist.nproc=2", "epochs=1",
+                         "max_steps_per_epoch=2"), env=env)
+    out = proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert out.count(f"failed to start on rank {rank}") == 1  # said once
+    (run_dir,) = run_dirs(tmp_path)
+    runs = find_runs(run_dir)
+    assert sorted(r.config["rank"] for r in runs) == [0, 1]  # offline files, training went on
+    assert (run_dir / "summary.json").is_file()

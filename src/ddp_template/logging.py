@@ -81,19 +81,21 @@ class RankLogger:
         kwargs = self._wandb_kwargs(cfg)
         settings = wandb.Settings(console="off", silent=True, x_disable_stats=True)
         mode = str(cfg.logger.mode.value)
-        for attempt in (mode, "offline") if mode != "offline" else ("offline",):
+        error: Exception | None = None
+        for attempt in [mode] + (["offline"] if mode != "offline" else []):
             try:
                 wb = wandb.init(mode=attempt, settings=settings, **kwargs)
             except Exception as exc:  # W&B must never stop training
-                log.warning("W&B (%s) failed to start on rank %d: %s", attempt, self.info.rank,
-                            exc)
+                error = exc
                 continue
-            if attempt != mode:
-                log.warning("W&B fell back to offline on rank %d", self.info.rank)
+            if error is not None:
+                log.warning("W&B (%s) failed to start on rank %d (%s); logging offline instead",
+                            mode, self.info.rank, str(error).splitlines()[0])
             wb.define_metric("step")
             wb.define_metric("*", step_metric="step")
             return wb
-        log.warning("W&B is off on rank %d; metrics still go to metrics.jsonl", self.info.rank)
+        log.warning("W&B failed to start on rank %d (%s); metrics go to metrics.jsonl only",
+                    self.info.rank, error)
         return None
 
     @property
