@@ -15,7 +15,7 @@ import sys
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_template import checkpoint, distributed, faults, launch
@@ -94,12 +94,13 @@ def fit(cfg: DictConfig, tr: Trainer, state: TrainState, ckpt: checkpoint.Checkp
         logger: RankLogger, eval_loader: object) -> EvalResult:
     """The epoch loop: set_epoch → train → account for the data → evaluate → checkpoint."""
     info = tr.info
-    preempt = checkpoint.Preemption(info)
+    preempt = checkpoint.Preemption(info, cfg.checkpoint.preempt_check_every)
+    fault = OmegaConf.to_object(cfg.fault)  # read per step: a plain object, not a DictConfig
 
     def after_step(s: TrainState) -> bool:
         logger.step()
-        faults.maybe_fire(cfg.fault, s.step, info.rank)
-        stop = preempt.requested()  # SIGTERM/SIGUSR1 on any rank stops all at one step
+        faults.maybe_fire(fault, s.step, info.rank)
+        stop = preempt.requested(s.step)  # SIGTERM/SIGUSR1 on any rank stops all at one step
         if stop or ckpt.due(s.step):
             ckpt.save(tr, s, cfg, logger.wandb_id)
         return stop
@@ -120,6 +121,8 @@ def fit(cfg: DictConfig, tr: Trainer, state: TrainState, ckpt: checkpoint.Checkp
             log_eval(logger, result, epoch, state.step)
             state.epoch, state.position = epoch + 1, 0
             ckpt.save(tr, state, cfg, logger.wandb_id, epoch_end=True)
+            if epoch + 1 < cfg.epochs and preempt.sync():  # a signal late in the epoch
+                raise SystemExit(EXIT_PREEMPTED)
     finally:
         preempt.close()
     # epochs=0, or a finished run resumed: evaluate the model as it is.

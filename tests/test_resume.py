@@ -78,14 +78,20 @@ def test_crash_mid_epoch_then_resume_is_bit_identical(reference, tmp_path: Path,
     assert [r["data/samples"] for r in epoch1] == [30 - 8]  # crash run logged no epoch 1
 
 
-def test_sigterm_checkpoints_exits_75_then_resumes(reference, tmp_path: Path) -> None:
-    proc = launch(tmp_path, "term", "fault.crash_at_step=11", "fault.rank=1",
-                  "fault.signal=SIGTERM", check=False)
+@pytest.mark.parametrize("at,every,stopped_at", [
+    (11, 1, (12, 13)),  # checked every step: all ranks stop at the next step boundary
+    (3, 10, (8, 8)),  # checked every 10 steps: the epoch end (step 8) comes first
+])
+def test_sigterm_checkpoints_exits_75_then_resumes(reference, tmp_path: Path, at: int,
+                                                   every: int, stopped_at: tuple) -> None:
+    check = f"checkpoint.preempt_check_every={every}"
+    proc = launch(tmp_path, "term", f"fault.crash_at_step={at}", "fault.rank=1",
+                  "fault.signal=SIGTERM", check, check=False)
     assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-3000:]
     assert "received SIGTERM" in proc.stdout + proc.stderr
     stopped = torch.load(tmp_path / "outputs/term/checkpoints/last.pt", weights_only=True)
-    assert 11 <= stopped["step"] <= 13  # the next step boundary(ies) after the signal
-    launch(tmp_path, "term")
+    assert stopped_at[0] <= stopped["step"] <= stopped_at[1]
+    launch(tmp_path, "term", check)
     assert_identical(reference["off"], final_model(tmp_path, "term"))
     # The resumed run continued the same W&B runs (same ids), one file per start.
     runs = find_runs(tmp_path / "outputs/term")

@@ -228,14 +228,17 @@ def resume_rank0(resume: str, directory: Path, info: DistInfo) -> tuple[Path, di
 class Preemption:
     """SIGTERM/SIGUSR1 set a flag; all ranks agree to stop at the same step boundary.
 
-    The flag is all-reduced asynchronously: the reduce started after step k is read after
-    step k+1, so no step ever waits on it, and every rank sees the same answer at the same step.
+    Every ``every`` steps the flag is all-reduced asynchronously and the previous reduce is
+    read: no step waits on it, and every rank sees the same answer at the same step, so a signal
+    stops the run within 2 x ``every`` steps (and at the latest at the epoch end, where
+    :meth:`sync` reads it with a blocking reduce). Not every step: on gloo one extra collective
+    per step cost ~10 % of a small model's throughput (benchmarks/overhead_results.md).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-    def __init__(self, info: DistInfo) -> None:
-        self.info = info
+    def __init__(self, info: DistInfo, every: int = 10) -> None:
+        self.info, self.every = info, max(1, every)
         # A CPU-side gloo group even under nccl: reading the flag then never syncs the GPU.
         self.group = None
         if info.backend == "nccl":
@@ -248,22 +251,37 @@ class Preemption:
             self._installed[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        log.warning("received %s: checkpointing at the next step boundary",
-                    signal.Signals(signum).name)
+        log.warning("received %s: checkpointing at the next check (every %d steps) or epoch end",
+                    signal.Signals(signum).name, self.every)
         self.flag.fill_(1)
 
-    def requested(self) -> bool:
-        """Called once per step on every rank."""
+    def requested(self, step: int) -> bool:
+        """Called after every step on every rank; collective only every ``every`` steps."""
         if not self.info.distributed:
             return bool(self.flag.item())
-        stop = False
-        if self._pending is not None:
-            self._pending.wait()
-            stop = bool(self._buf.item())
+        if step % self.every:
+            return False
+        stop = self._read()
         self._buf.copy_(self.flag)
         self._pending = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group,
                                         async_op=True)
         return stop
+
+    def _read(self) -> bool:
+        if self._pending is None:
+            return False
+        self._pending.wait()
+        self._pending = None
+        return bool(self._buf.item())
+
+    def sync(self) -> bool:
+        """A blocking agreement (epoch ends): did any rank get a signal by now?"""
+        if not self.info.distributed:
+            return bool(self.flag.item())
+        self._read()
+        self._buf.copy_(self.flag)
+        dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(self._buf.item())
 
     def close(self) -> None:
         if self._pending is not None:

@@ -177,6 +177,9 @@ class CheckpointConfig:
     every_steps: int = 0  # also save every N optimizer steps (0: at epoch ends only)
     keep: int = 0  # keep this many epoch_<k>.pt files besides last.pt (0: none)
     enabled: bool = True
+    # Steps between the (asynchronous) all-reduces that let all ranks agree on a preemption
+    # signal: a signal stops the run within 2x this many steps, or at the epoch end.
+    preempt_check_every: int = 10
 
 
 @dataclass
@@ -271,6 +274,8 @@ def validate(cfg: Any) -> None:
              f"max_steps_per_epoch={cfg.max_steps_per_epoch} must be >= 1 or null.")
     _require(cfg.checkpoint.every_steps >= 0 and cfg.checkpoint.keep >= 0,
              "checkpoint.every_steps and checkpoint.keep must be >= 0.")
+    _require(cfg.checkpoint.preempt_check_every >= 1,
+             f"checkpoint.preempt_check_every={cfg.checkpoint.preempt_check_every} must be >= 1.")
     _require(not (cfg.sampler.mode == "sequential" and cfg.sampler.shuffle),
              "sampler.shuffle=true contradicts sampler=sequential (contiguous shards, never "
              "shuffled); set sampler.shuffle=false or pick sampler=padded.")
