@@ -100,3 +100,14 @@ def test_expected_fingerprint_needs_no_full_list_for_huge_n() -> None:
     got = expected_fingerprint(s, 3, 5_000, 2_000, block=512)
     want = fingerprint_sum(s.index_at(np.arange(5_000, 7_000), 3))
     assert got == want
+
+
+def test_tally_folds_many_batches_without_losing_any() -> None:
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, 10**6, 7) for _ in range(3 * IndexTally.FOLD + 5)]
+    t = IndexTally(keep=True)
+    for b in batches:
+        t.add(b)
+    everything = np.concatenate(batches)
+    assert t.fp == fingerprint_sum(everything) and t.samples == len(everything)
+    assert t.indices().tolist() == everything.tolist()

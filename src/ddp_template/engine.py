@@ -144,8 +144,8 @@ def train_one_epoch(tr: Trainer, state: TrainState, on_step: StepHook,
     limit = steps_this_epoch(tr, state)
     if limit == 0:
         return stats
-    loss_acc = torch.zeros((), device=tr.info.device)
-    interval_t, interval_n, interval_loss = time.perf_counter(), 0, torch.zeros_like(loss_acc)
+    loss_acc = torch.zeros((), device=tr.info.device)  # sum of loss x batch size
+    interval_t, interval_n, interval_start = time.perf_counter(), 0, loss_acc.clone()
     start = waited = time.perf_counter()
     for i, (x, y, idx) in enumerate(tr.loader):
         stats.data_wait_s += time.perf_counter() - waited
@@ -155,19 +155,18 @@ def train_one_epoch(tr: Trainer, state: TrainState, on_step: StepHook,
         loss, norm = _step(tr, x, y, want_norm)
         stats.tally.add(idx.numpy())
         loss_acc += loss * len(idx)
-        interval_loss += loss * len(idx)
         interval_n += len(idx)
         state.step += 1
         state.position += len(idx)
         if want_norm:
             now = time.perf_counter()
-            on_interval({"train/loss": (interval_loss / interval_n).item(),
+            on_interval({"train/loss": ((loss_acc - interval_start) / interval_n).item(),
                          "train/lr": tr.scheduler.get_last_lr()[0],
                          "train/grad_norm": float(norm),
                          "perf/interval_samples_per_s": interval_n / (now - interval_t)},
                         state.step)
             interval_t, interval_n = now, 0
-            interval_loss.zero_()
+            interval_start.copy_(loss_acc)
         if on_step(state):
             stats.stopped = True
             break

@@ -43,15 +43,22 @@ def fingerprint(indices: np.ndarray) -> str:
 
 @dataclass
 class IndexTally:
-    """Accumulates one rank's indices for one epoch without keeping them (unless asked)."""
+    """Accumulates one rank's indices for one epoch without keeping them (unless asked).
+
+    Batches are hashed in chunks of ``FOLD`` batches rather than one by one: per-batch numpy
+    calls on tiny arrays cost microseconds that a small model's step notices.
+    """
 
     keep: bool = False  # keep the indices themselves (small N: exact coverage/overlap report)
     samples: int = 0
     batches: int = 0
-    fp: int = 0
     first_index: int = -1
     last_index: int = -1
     kept: list[np.ndarray] = field(default_factory=list)
+    _fp: int = 0
+    _pending: list[np.ndarray] = field(default_factory=list)
+
+    FOLD = 256
 
     def add(self, indices: np.ndarray) -> None:
         if len(indices) == 0:
@@ -61,11 +68,27 @@ class IndexTally:
         self.last_index = int(indices[-1])
         self.samples += len(indices)
         self.batches += 1
-        self.fp = (self.fp + fingerprint_sum(indices)) & (2**64 - 1)
+        self._pending.append(indices)
+        if len(self._pending) >= self.FOLD:
+            self._fold()
+
+    def _fold(self) -> None:
+        if not self._pending:
+            return
+        chunk = np.concatenate(self._pending).astype(np.int64, copy=False)
+        self._pending.clear()
+        self._fp = (self._fp + fingerprint_sum(chunk)) & (2**64 - 1)
         if self.keep:
-            self.kept.append(np.asarray(indices, dtype=np.int64).copy())
+            self.kept.append(chunk)
+
+    @property
+    def fp(self) -> int:
+        """The fingerprint (sum of splitmix64 hashes mod 2**64) of everything added so far."""
+        self._fold()
+        return self._fp
 
     def indices(self) -> np.ndarray:
+        self._fold()
         return np.concatenate(self.kept) if self.kept else np.zeros(0, dtype=np.int64)
 
 
