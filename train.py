@@ -135,11 +135,12 @@ def train(cfg: DictConfig, run: launch.RunInfo) -> float:
     setup_console(info, run.run_dir)
     logger, exit_code = None, 1
     try:
+        logger = RankLogger(cfg, run, info)  # W&B starts in the background meanwhile
         tr, splits = build(cfg, info)
         eval_loader = build_eval_loader(splits.eval, cfg, info)
         state, ckpt = resume(cfg, run, tr, info)
-        logger = RankLogger(cfg, run, info)
-        distributed.barrier(info)  # every rank's W&B run exists before anyone logs
+        logger.wait_ready()  # this rank's W&B run...
+        distributed.barrier(info)  # ...and every rank's exist before anyone logs
         logger.log_sizes(splits, state.step)
         picture = draw_shards_async(tr.sampler, run.run_dir) if info.is_main else None
         result = fit(cfg, tr, state, ckpt, logger, eval_loader)

@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,27 @@ class RankLogger:
         self.rank_dir = run.run_dir / f"rank{info.rank}"
         self.rank_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.rank_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
-        self.wandb: Any = None
+        self._wandb: Any = None
+        self._wandb_thread: threading.Thread | None = None
         self.bar: Any = None
         if cfg.logger.name == "wandb":
-            self.wandb = self._start_wandb(cfg)
+            # W&B's import and service start take ~1 s: overlap them with building the data,
+            # model and DDP; the first use of ``self.wandb`` waits for it.
+            self._wandb_thread = threading.Thread(target=self._start_wandb, args=(cfg,),
+                                                  name="wandb-init", daemon=True)
+            self._wandb_thread.start()
+
+    def wait_ready(self) -> None:
+        """Wait until W&B has started (or given up)."""
+        if self._wandb_thread is not None:
+            self._wandb_thread.join()
+            self._wandb_thread = None
+
+    @property
+    def wandb(self) -> Any:
+        """The W&B run (None with logger=none or when W&B could not start)."""
+        self.wait_ready()
+        return self._wandb
 
     def _wandb_kwargs(self, cfg: DictConfig) -> dict[str, Any]:
         info, run = self.info, self.run
@@ -75,7 +93,7 @@ class RankLogger:
                     name=f"{run.run_id}-rank{info.rank}", id=wandb_id(run.run_id, info.rank),
                     resume="allow", dir=str(self.rank_dir), config=config)
 
-    def _start_wandb(self, cfg: DictConfig) -> Any:
+    def _start_wandb(self, cfg: DictConfig) -> None:
         import wandb
 
         kwargs = self._wandb_kwargs(cfg)
@@ -93,10 +111,10 @@ class RankLogger:
                             mode, self.info.rank, str(error).splitlines()[0])
             wb.define_metric("step")
             wb.define_metric("*", step_metric="step")
-            return wb
+            self._wandb = wb
+            return
         log.warning("W&B failed to start on rank %d (%s); metrics go to metrics.jsonl only",
                     self.info.rank, error)
-        return None
 
     @property
     def wandb_id(self) -> str | None:
@@ -175,7 +193,7 @@ class RankLogger:
             self.jsonl.close()
         if self.wandb is not None:
             self.wandb.finish(exit_code=exit_code)
-            self.wandb = None
+            self._wandb = None
 
 
 def log_eval(logger: RankLogger, result: Any, epoch: int, step: int) -> None:
