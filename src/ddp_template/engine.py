@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -94,7 +94,6 @@ class EpochStats:
     data_wait_s: float = 0.0
     wall_s: float = 0.0
     stopped: bool = False  # the step hook asked to stop (preemption)
-    intervals: list[dict[str, float]] = field(default_factory=list)
 
     def as_metrics(self, duplicates: int) -> dict[str, Any]:
         t, compute = self.tally, max(self.wall_s - self.data_wait_s, 0.0)

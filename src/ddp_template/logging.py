@@ -202,9 +202,10 @@ def log_eval(logger: RankLogger, result: Any, epoch: int, step: int) -> None:
     log.info("epoch %d: eval accuracy %.4f, loss %.4f", epoch, result.accuracy, result.loss)
 
 
-def _epoch_observed(stats: Any, duplicates: int) -> dict[str, Any]:
-    obs = {"samples": stats.tally.samples, "duplicates": duplicates, "fingerprint": stats.tally.fp,
-           "step_s": stats.as_metrics(duplicates)["perf/step_s"]}
+def _epoch_observed(stats: Any, metrics: dict[str, Any], start: int) -> dict[str, Any]:
+    """What rank 0 needs from this rank to check its shard (indices only for small N)."""
+    obs = {"samples": stats.tally.samples, "duplicates": metrics["data/duplicates"],
+           "fingerprint": stats.tally.fp, "step_s": metrics["perf/step_s"], "start": start}
     if stats.tally.keep:
         obs["indices"] = stats.tally.indices()
     return obs
@@ -225,10 +226,10 @@ def report_epoch(logger: RankLogger, sampler: Any, stats: Any, start: int, epoch
     metrics = {"epoch": epoch, **stats.as_metrics(duplicates),
                "data/fingerprint": fingerprint_hex(stats.tally.fp)}
     logger.log(metrics, step)
-    observed = gather_objects(_epoch_observed(stats, duplicates), logger.info)
+    observed = gather_objects(_epoch_observed(stats, metrics, start), logger.info)
     if not logger.info.is_main:
         return None
-    expected = [expected_fingerprint(sampler, r, start, o["samples"])
+    expected = [expected_fingerprint(sampler, r, o["start"], o["samples"])
                 for r, o in enumerate(observed)]
     report = shard_report(sampler.mode, sampler.dataset_size, observed, expected)
     _log_report(logger, report, observed, epoch, step)
