@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -39,15 +40,28 @@ def train_cmd(out: Path, *overrides: str, launcher: list[str] | None = None) -> 
     return [*(launcher or [PY]), str(ROOT / "train.py"), *flags, *paths, *rest]
 
 
+def _kill_tree(pid: int) -> None:
+    """Kill a process and every descendant; torchrun puts ranks in sessions of their own."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGKILL)
+
+
 def run(cmd: list[str], timeout: float = 240, env: dict[str, str] | None = None,
         check: bool = True) -> subprocess.CompletedProcess:
-    # A session of its own: on a timeout the whole tree (agent, ranks, loader workers) dies.
+    # On a timeout the whole tree (agent, ranks, loader workers) dies, not just the agent.
     with subprocess.Popen(cmd, cwd=ROOT, env=env or run_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, start_new_session=True) as p:
+                          stderr=subprocess.PIPE, text=True) as p:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            _kill_tree(p.pid)
             out, err = p.communicate()
             raise AssertionError(
                 f"timed out after {timeout} s\n{out[-3000:]}\n{err[-3000:]}") from None

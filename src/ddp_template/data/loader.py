@@ -10,6 +10,7 @@ loader starts at the next unseen sample without loading any skipped one.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import random
 from typing import Any
 
@@ -28,10 +29,19 @@ def seed_worker(worker_id: int) -> None:
     random.seed(seed)
 
 
+def _worker_start_method() -> str:
+    """forkserver, not fork: a rank has gloo/NCCL, OpenMP and loader threads running, and
+    forking a threaded process can deadlock the child inside ``fork()`` (seen here: an eval
+    loader's worker hung at epoch 0 while the train loader's feeder threads ran)."""
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
 def _loader_kwargs(num_workers: int, device: torch.device) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": device.type == "cuda"}
     if num_workers > 0:
-        kwargs.update(worker_init_fn=seed_worker, persistent_workers=True, prefetch_factor=4)
+        # Workers persist across epochs: with forkserver each start imports torch (~1 s).
+        kwargs.update(worker_init_fn=seed_worker, persistent_workers=True, prefetch_factor=4,
+                      multiprocessing_context=_worker_start_method())
     return kwargs
 
 
@@ -54,9 +64,8 @@ def build_train_loader(dataset: Dataset, sampler: ShardSampler, cfg: Any,
 def build_eval_loader(dataset: Dataset, cfg: Any, info: DistInfo) -> DataLoader:
     """Contiguous, unpadded shards: no sample is evaluated twice (DESIGN.md §4)."""
     sampler = EvalShardSampler(dataset, num_replicas=info.world_size, rank=info.rank)
-    kwargs = _loader_kwargs(cfg.num_workers, info.device)
-    kwargs["persistent_workers"] = False  # eval runs once per epoch; idle workers cost memory
-    return DataLoader(dataset, batch_size=cfg.eval_batch_size, sampler=sampler, **kwargs)
+    return DataLoader(dataset, batch_size=cfg.eval_batch_size, sampler=sampler,
+                      **_loader_kwargs(cfg.num_workers, info.device))
 
 
 def worker_seed(seed: int, rank: int, epoch: int) -> int:
