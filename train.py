@@ -126,7 +126,7 @@ def fit(cfg: DictConfig, tr: Trainer, state: TrainState, ckpt: checkpoint.Checkp
     finally:
         preempt.close()
     # epochs=0, or a finished run resumed: evaluate the model as it is.
-    return result or evaluate(tr.module, eval_loader, info, tr.amp_mode)
+    return result if result is not None else evaluate(tr.module, eval_loader, info, tr.amp_mode)
 
 
 def train(cfg: DictConfig, run: launch.RunInfo) -> float:

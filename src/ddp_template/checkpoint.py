@@ -284,8 +284,6 @@ class Preemption:
         return bool(self._buf.item())
 
     def close(self) -> None:
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+        self._read()  # no collective left in flight
         for sig, old in self._installed.items():
             signal.signal(sig, old)

@@ -60,6 +60,9 @@ def run_id() -> str:
     return _RUN_ID
 
 
+SKIP_GROUPS = ("hydra", "local")
+
+
 def config_groups(conf_dir: str) -> str:
     """``--help``'s list of config groups and options, read from the YAML files on disk.
 
@@ -71,9 +74,6 @@ def config_groups(conf_dir: str) -> str:
         options = sorted(f.stem for f in group.glob("*.yaml"))
         lines.append(f"  {group.name:<11} {', '.join(options)}")
     return "\n".join(lines)
-
-
-SKIP_GROUPS = ("hydra", "local")
 
 
 def register_resolvers() -> None:

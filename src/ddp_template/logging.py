@@ -284,8 +284,6 @@ def draw_shards_async(sampler: Any, run_dir: Path) -> Any:
     matplotlib costs about a second to import and draw; a thread keeps that off the path to the
     first optimizer step. Returns the thread (join it before logging the image) or None.
     """
-    import threading
-
     if sampler.dataset_size > PICTURE_MAX_N:
         log.info("shards.png skipped: N=%d > %d", sampler.dataset_size, PICTURE_MAX_N)
         return None
