@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,32 +42,64 @@ def train_cmd(out: Path, *overrides: str, launcher: list[str] | None = None) -> 
     return [*(launcher or [PY]), str(ROOT / "train.py"), *flags, *paths, *rest]
 
 
-def _kill_tree(pid: int) -> None:
-    """Kill a process and every descendant; torchrun puts ranks in sessions of their own."""
+RUN_TOKEN = "DDP_TEMPLATE_TEST_RUN"  # every process a test starts inherits it, orphans too
+
+
+def _processes_with(token: str) -> list:
     import psutil
 
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.send_signal(signal.SIGKILL)
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(RUN_TOKEN) == token:
+                found.append(proc)
+    return found
+
+
+def _reap(token: str, grace: float) -> list[str]:
+    """Wait up to ``grace`` s for every process carrying ``token`` to end; kill and name the rest.
+
+    Parent-child links are no use here: a loader worker whose rank died is re-parented to init.
+    """
+    import psutil
+
+    deadline = time.monotonic() + grace
+    while (left := _processes_with(token)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    named = []
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            named.append(f"pid {proc.pid}: {' '.join(proc.cmdline())[:160]}")
+            proc.kill()
+    return named
 
 
 def run(cmd: list[str], timeout: float = 240, env: dict[str, str] | None = None,
-        check: bool = True) -> subprocess.CompletedProcess:
-    # On a timeout the whole tree (agent, ranks, loader workers) dies, not just the agent.
-    with subprocess.Popen(cmd, cwd=ROOT, env=env or run_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as p:
+        check: bool = True, leftovers: float | None = 60) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to the end; its output goes to files, so a stray process cannot hang us.
+
+    Afterwards no process it started may still run ``leftovers`` s later (a leak: orphaned loader
+    workers hold memory and the terminal); ``leftovers=None`` for commands that hand work to
+    others on purpose (sbatch). On a timeout everything it started is killed.
+    """
+    token = uuid.uuid4().hex
+    env = {**(env or run_env()), RUN_TOKEN: token}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
         try:
-            out, err = p.communicate(timeout=timeout)
+            p.wait(timeout=timeout)
+            left = [] if leftovers is None else _reap(token, leftovers)
         except subprocess.TimeoutExpired:
-            _kill_tree(p.pid)
-            out, err = p.communicate()
-            raise AssertionError(
-                f"timed out after {timeout} s\n{out[-3000:]}\n{err[-3000:]}") from None
-    proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+            _reap(token, 0)
+            p.wait()
+            out.seek(0), err.seek(0)
+            raise AssertionError(f"timed out after {timeout} s\n{out.read()[-3000:]}\n"
+                                 f"{err.read()[-3000:]}") from None
+        out.seek(0), err.seek(0)
+        proc = subprocess.CompletedProcess(cmd, p.returncode, out.read(), err.read())
+    if left:
+        raise AssertionError(f"still running {leftovers} s after the run ended (killed now):\n"
+                             + "\n".join(left) + f"\n{proc.stderr[-3000:]}")
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-6000:]}")

@@ -111,6 +111,19 @@ def test_in_process_max_restarts_recovers_identically(reference, tmp_path: Path)
     assert_identical(reference["off"], final_model(tmp_path, "elastic2"))
 
 
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_sigkilled_rank_takes_its_loader_workers_along(reference, tmp_path: Path,
+                                                       restarts: int) -> None:
+    """The OOM killer's way: no exception, no handler. ``run`` fails on any process left behind
+    (under forkserver the killed rank's workers used to outlive the whole run)."""
+    proc = launch(tmp_path, "oom", "logger=none", f"dist.max_restarts={restarts}", *CRASH,
+                  "fault.signal=SIGKILL", check=restarts > 0)
+    if restarts:
+        assert_identical(reference["off"], final_model(tmp_path, "oom"))
+    else:
+        assert proc.returncode != 0 and "SIGKILL" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_other_world_size_is_refused_clearly(tmp_path: Path) -> None:
     launch(tmp_path, "ws2", "logger=none", "epochs=1")
     ckpt = tmp_path / "outputs/ws2/checkpoints/last.pt"

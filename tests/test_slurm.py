@@ -79,7 +79,7 @@ def test_sbatch_recipe_runs_two_ranks_in_a_run_dir_named_after_the_job(
                 f"--output={tmp_path / 'slurm-%j.out'}",
                 str(ROOT / "scripts" / "slurm" / "multinode.sbatch"), *TINY,
                 f"paths.output_root={tmp_path / 'outputs'}"],
-               timeout=30, env=run_env(NPROC="2", PYTHON=PY))
+               timeout=30, env=run_env(NPROC="2", PYTHON=PY), leftovers=None)
     job_id = proc.stdout.strip().split(";")[0]
     log = tmp_path / f"slurm-{job_id}.out"
     wait_gone(job_id, timeout=120, log=log)

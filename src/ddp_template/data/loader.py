@@ -10,8 +10,13 @@ loader starts at the next unseen sample without loading any skipped one.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
+import os
 import random
+import select
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -22,11 +27,41 @@ from ddp_template.data.samplers import EvalShardSampler, ShardSampler
 from ddp_template.distributed import DistInfo
 
 
-def seed_worker(worker_id: int) -> None:
-    """Derive numpy's and Python's RNGs from the per-worker torch seed the loader assigned."""
+def init_worker(worker_id: int, rank_pid: int) -> None:
+    """Seed numpy's and Python's RNGs from the loader's per-worker torch seed; die with the rank."""
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
+    threading.Thread(target=_exit_when_gone, args=(rank_pid,), name="rank-watchdog",
+                     daemon=True).start()
+
+
+def _exit_when_gone(pid: int) -> None:
+    """End this worker as soon as process ``pid`` (the rank that owns the loader) is gone.
+
+    Under forkserver a worker's parent is the fork server, not the rank, and the server stays up
+    while any of its children do, so torch's own check (has my parent changed?) never fires: a
+    rank killed with SIGKILL (OOM killer, a launcher's grace period running out) left its workers,
+    the server and the resource tracker running for good, holding memory and the rank's stdout.
+    """
+    try:
+        fd = os.pidfd_open(pid)  # Linux >= 5.3: readable once the process has exited
+    except (AttributeError, OSError):
+        while _alive(pid):
+            time.sleep(1.0)
+    else:
+        select.select([fd], [], [])
+    os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        pass
+    return True
 
 
 def _worker_start_method() -> str:
@@ -40,7 +75,8 @@ def _loader_kwargs(num_workers: int, device: torch.device) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": device.type == "cuda"}
     if num_workers > 0:
         # Workers persist across epochs: with forkserver each start imports torch (~1 s).
-        kwargs.update(worker_init_fn=seed_worker, persistent_workers=True, prefetch_factor=4,
+        kwargs.update(worker_init_fn=functools.partial(init_worker, rank_pid=os.getpid()),
+                      persistent_workers=True, prefetch_factor=4,
                       multiprocessing_context=_worker_start_method())
     return kwargs
 
