@@ -50,7 +50,9 @@ def _exit_when_gone(pid: int) -> None:
         while _alive(pid):
             time.sleep(1.0)
     else:
-        select.select([fd], [], [])
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.poll()
     os._exit(1)
 
 
