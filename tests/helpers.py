@@ -88,15 +88,18 @@ def run(cmd: list[str], timeout: float = 240, env: dict[str, str] | None = None,
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
         try:
             p.wait(timeout=timeout)
-            left = [] if leftovers is None else _reap(token, leftovers)
+            timed_out = False
         except subprocess.TimeoutExpired:
-            _reap(token, 0)
-            p.wait()
-            out.seek(0), err.seek(0)
-            raise AssertionError(f"timed out after {timeout} s\n{out.read()[-3000:]}\n"
-                                 f"{err.read()[-3000:]}") from None
-        out.seek(0), err.seek(0)
+            timed_out = True
+        grace = 0 if timed_out else leftovers
+        left = [] if grace is None else _reap(token, grace)
+        p.wait()
+        out.seek(0)
+        err.seek(0)
         proc = subprocess.CompletedProcess(cmd, p.returncode, out.read(), err.read())
+    if timed_out:
+        raise AssertionError(f"timed out after {timeout} s\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-3000:]}")
     if left:
         raise AssertionError(f"still running {leftovers} s after the run ended (killed now):\n"
                              + "\n".join(left) + f"\n{proc.stderr[-3000:]}")
