@@ -75,7 +75,8 @@ def _reap(token: str, grace: float) -> list[str]:
 
 
 def run(cmd: list[str], timeout: float = 240, env: dict[str, str] | None = None,
-        check: bool = True, leftovers: float | None = 60) -> subprocess.CompletedProcess:
+        check: bool = True, leftovers: float | None = 60,
+        cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """Run ``cmd`` to the end; its output goes to files, so a stray process cannot hang us.
 
     Afterwards no process it started may still run ``leftovers`` s later (a leak: orphaned loader
@@ -85,7 +86,7 @@ def run(cmd: list[str], timeout: float = 240, env: dict[str, str] | None = None,
     token = uuid.uuid4().hex
     env = {**(env or run_env()), RUN_TOKEN: token}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True)
         try:
             p.wait(timeout=timeout)
             timed_out = False
