@@ -66,23 +66,43 @@ def build(cfg: DictConfig, info: distributed.DistInfo) -> tuple[Trainer, object]
     if cfg.syncbn.enabled and info.distributed:
         model = convert_syncbn(model, info.device)  # before DDP registers the modules
     model.to(info.device)
-    ddp = DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None
-              ) if info.distributed else model
+    ddp = (
+        DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
+        if info.distributed
+        else model
+    )
     optimizer = build_optimizer(cfg.optim, model)
     steps = cfg.epochs * min(len(loader), cfg.max_steps_per_epoch or len(loader))
     keep = len(splits.train) <= cfg.shard_report_max_n
-    tr = Trainer(ddp, optimizer, build_scheduler(cfg.optim, optimizer, steps),
-                 make_scaler(cfg.amp, info.device), loader, sampler, info, cfg.amp.mode.value,
-                 cfg.optim.grad_clip, cfg.log_every, cfg.max_steps_per_epoch, keep)
+    tr = Trainer(
+        ddp,
+        optimizer,
+        build_scheduler(cfg.optim, optimizer, steps),
+        make_scaler(cfg.amp, info.device),
+        loader,
+        sampler,
+        info,
+        cfg.amp.mode.value,
+        cfg.optim.grad_clip,
+        cfg.log_every,
+        cfg.max_steps_per_epoch,
+        keep,
+    )
     return tr, splits
 
 
-def resume(cfg: DictConfig, run: launch.RunInfo, tr: Trainer,
-           info: distributed.DistInfo) -> tuple[TrainState, checkpoint.Checkpointer]:
+def resume(
+    cfg: DictConfig, run: launch.RunInfo, tr: Trainer, info: distributed.DistInfo
+) -> tuple[TrainState, checkpoint.Checkpointer]:
     """Continue from the newest valid checkpoint (resume=auto), a given file, or not at all."""
     state = TrainState()
-    ckpt = checkpoint.Checkpointer(run.run_dir / "checkpoints", cfg.checkpoint.every_steps,
-                                   cfg.checkpoint.keep, cfg.checkpoint.enabled, info)
+    ckpt = checkpoint.Checkpointer(
+        run.run_dir / "checkpoints",
+        cfg.checkpoint.every_steps,
+        cfg.checkpoint.keep,
+        cfg.checkpoint.enabled,
+        info,
+    )
     found = checkpoint.resume_rank0(cfg.resume, ckpt.directory, info)
     if found:
         checkpoint.restore(found[1], found[0], tr, state, info)
@@ -90,8 +110,14 @@ def resume(cfg: DictConfig, run: launch.RunInfo, tr: Trainer,
     return state, ckpt
 
 
-def fit(cfg: DictConfig, tr: Trainer, state: TrainState, ckpt: checkpoint.Checkpointer,
-        logger: RankLogger, eval_loader: object) -> EvalResult:
+def fit(
+    cfg: DictConfig,
+    tr: Trainer,
+    state: TrainState,
+    ckpt: checkpoint.Checkpointer,
+    logger: RankLogger,
+    eval_loader: object,
+) -> EvalResult:
     """The epoch loop: set_epoch → train → account for the data → evaluate → checkpoint."""
     info = tr.info
     preempt = checkpoint.Preemption(info, cfg.checkpoint.preempt_check_every)

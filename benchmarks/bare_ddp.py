@@ -61,8 +61,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     train = digits().train
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True,
-                                 seed=args.seed)
+    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler)
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
@@ -70,12 +69,19 @@ def main() -> None:
     ddp = DDP(model)
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    optimizer = torch.optim.SGD([{"params": decay, "weight_decay": args.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}],
-                                lr=args.lr, momentum=0.9, nesterov=True)
+    optimizer = torch.optim.SGD(
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        momentum=0.9,
+        nesterov=True,
+    )
     total = args.epochs * len(loader)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(1.0, s / total))))
+        optimizer, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(1.0, s / total)))
+    )
 
     first_step_s, epochs = None, []
     for epoch in range(args.epochs):
@@ -91,12 +97,23 @@ def main() -> None:
             if first_step_s is None:
                 first_step_s = since_start()
         wall = time.perf_counter() - start
-        epochs.append({"epoch": epoch, "wall_s": wall, "samples": samples,
-                       "samples_per_s": samples / wall, "loss_last_batch": loss.item()})
+        epochs.append(
+            {
+                "epoch": epoch,
+                "wall_s": wall,
+                "samples": samples,
+                "samples_per_s": samples / wall,
+                "loss_last_batch": loss.item(),
+            }
+        )
 
-    result = {"rank": rank, "world_size": world, "first_step_s": first_step_s,
-              "epochs": epochs, "peak_rss_mib": resource.getrusage(
-                  resource.RUSAGE_SELF).ru_maxrss / 1024}
+    result = {
+        "rank": rank,
+        "world_size": world,
+        "first_step_s": first_step_s,
+        "epochs": epochs,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
     dist.destroy_process_group()
     print(json.dumps(result))
     if args.out:

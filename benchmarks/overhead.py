@@ -38,8 +38,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = "benchmarks/_first_step_probe.py"
-MARKS = ["script", "hydra_main", "hydra_composed", "pg_init", "pg_ready", "ddp", "ddp_ready",
-         "logger", "logger_ready"]
+MARKS = [
+    "script",
+    "hydra_main",
+    "hydra_composed",
+    "pg_init",
+    "pg_ready",
+    "ddp",
+    "ddp_ready",
+    "logger",
+    "logger_ready",
+]
 TARGETS = {"none": (0.98, 1.3), "wandb": (0.95, 1.3)}  # (samples/s floor, first-step ceiling)
 
 
@@ -48,8 +57,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--epochs", type=int, default=None, help="both programs (default: 10)")
-    p.add_argument("--variants", nargs="+", default=["none", "wandb"],
-                   help="template logger variants to run")
+    p.add_argument(
+        "--variants", nargs="+", default=["none", "wandb"], help="template logger variants to run"
+    )
     p.add_argument("--out", type=Path, help="also write the Markdown report here")
     p.add_argument("--keep", type=Path, help="keep run directories under this folder")
     p.add_argument("overrides", nargs="*", help="extra train.py overrides (after --)")
@@ -65,8 +75,13 @@ def run_once(variant: str, args: argparse.Namespace, work: Path, tag: str) -> di
     """One torchrun launch; returns per-rank probe results, per-epoch samples/s and wall time."""
     run_dir = work / tag
     run_dir.mkdir(parents=True)
-    env = dict(os.environ, WANDB_MODE="offline", PROBE_OUT=str(run_dir / "probe{rank}.json"),
-               RUN_ID=tag, PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        WANDB_MODE="offline",
+        PROBE_OUT=str(run_dir / "probe{rank}.json"),
+        RUN_ID=tag,
+        PYTHONUNBUFFERED="1",
+    )
     env.pop("OMP_NUM_THREADS", None)  # torchrun sets 1 per rank for both, as users get it
     if variant == "bare":
         cmd = ["benchmarks/bare_ddp.py", "--out", str(run_dir / "bare{rank}.json")]
@@ -94,26 +109,41 @@ def run_once(variant: str, args: argparse.Namespace, work: Path, tag: str) -> di
         else:
             lines = (run_dir / f"rank{r}" / "metrics.jsonl").read_text().splitlines()
             rows = [json.loads(line) for line in lines]
-            sps = [row["perf/samples_per_s"] for row in rows
-                   if "epoch" in row and "perf/samples_per_s" in row]
+            sps = [
+                row["perf/samples_per_s"]
+                for row in rows
+                if "epoch" in row and "perf/samples_per_s" in row
+            ]
         ranks.append({**probe, "epoch_sps": sps})
-    return {"variant": variant, "wall_s": wall, "load": (load_before + os.getloadavg()[0]) / 2,
-            "ranks": ranks, "command": shlex.join(cmd)}
+    return {
+        "variant": variant,
+        "wall_s": wall,
+        "load": (load_before + os.getloadavg()[0]) / 2,
+        "ranks": ranks,
+        "command": shlex.join(cmd),
+    }
 
 
 def summarise(run: dict) -> dict:
     ranks = run["ranks"]
     steady = [statistics.mean(r["epoch_sps"][1:]) for r in ranks if len(r["epoch_sps"]) > 1]
-    marks = {m: statistics.mean(r["marks"][m] for r in ranks) for m in MARKS
-             if all(m in r["marks"] for r in ranks)}
+    marks = {
+        m: statistics.mean(r["marks"][m] for r in ranks)
+        for m in MARKS
+        if all(m in r["marks"] for r in ranks)
+    }
     medians = [statistics.median(r["epoch_sps"][1:]) for r in ranks if len(r["epoch_sps"]) > 1]
-    return {"sps": statistics.mean(steady) if steady else float("nan"),
-            "sps_median": statistics.mean(medians) if medians else float("nan"),
-            "first_step_s": statistics.mean(r["first_step_s"] for r in ranks),
-            "rss": [r["peak_rss_mib"] for r in ranks],
-            "child_rss": max(r.get("children_peak_rss_mib", 0.0) for r in ranks),
-            "wall_s": run["wall_s"], "load": run["load"], "marks": marks,
-            "exit_s": statistics.mean(r["exit_s"] for r in ranks)}
+    return {
+        "sps": statistics.mean(steady) if steady else float("nan"),
+        "sps_median": statistics.mean(medians) if medians else float("nan"),
+        "first_step_s": statistics.mean(r["first_step_s"] for r in ranks),
+        "rss": [r["peak_rss_mib"] for r in ranks],
+        "child_rss": max(r.get("children_peak_rss_mib", 0.0) for r in ranks),
+        "wall_s": run["wall_s"],
+        "load": run["load"],
+        "marks": marks,
+        "exit_s": statistics.mean(r["exit_s"] for r in ranks),
+    }
 
 
 def _spread(values: list[float], fmt: str) -> str:
@@ -131,28 +161,34 @@ def _std(values: list[float], fmt: str) -> str:
 
 def _git_state() -> str:
     """The template's commit, and which of its files differ from it (the numbers are for those)."""
+
     def git(*a: str) -> str:
         proc = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
         return proc.stdout.strip()
+
     dirty = git("status", "--porcelain", "--untracked-files=no", "--", "src", "train.py", "conf")
     files = [line[3:] for line in dirty.splitlines()]
     return git("rev-parse", "--short", "HEAD") + (
-        f" + uncommitted changes in {', '.join(files)}" if files else " (clean)")
+        f" + uncommitted changes in {', '.join(files)}" if files else " (clean)"
+    )
 
 
 def _derived(results: dict[str, list[dict]]) -> list[str]:
     """Startup costs the milestones isolate, mean over repeats (rank mean)."""
-    spans = {"Hydra composition (hydra_main → hydra_composed)": ("hydra_main", "hydra_composed"),
-             "init_process_group": ("pg_init", "pg_ready"),
-             "data + model build (pg_ready → ddp)": ("pg_ready", "ddp"),
-             "DDP constructor (imports torch._dynamo on first use)": ("ddp", "ddp_ready"),
-             "RankLogger (W&B init with logger=wandb)": ("logger", "logger_ready")}
+    spans = {
+        "Hydra composition (hydra_main → hydra_composed)": ("hydra_main", "hydra_composed"),
+        "init_process_group": ("pg_init", "pg_ready"),
+        "data + model build (pg_ready → ddp)": ("pg_ready", "ddp"),
+        "DDP constructor (imports torch._dynamo on first use)": ("ddp", "ddp_ready"),
+        "RankLogger (W&B init with logger=wandb)": ("logger", "logger_ready"),
+    }
     lines = []
     for label, (a, b) in spans.items():
         cells = []
         for variant, runs in results.items():
-            vals = [s["marks"][b] - s["marks"][a] for s in runs
-                    if a in s["marks"] and b in s["marks"]]
+            vals = [
+                s["marks"][b] - s["marks"][a] for s in runs if a in s["marks"] and b in s["marks"]
+            ]
             if vals:
                 cells.append(f"{variant} {statistics.mean(vals):.2f}")
         if cells:
@@ -162,20 +198,31 @@ def _derived(results: dict[str, list[dict]]) -> list[str]:
 
 def report(results: dict[str, list[dict]], args: argparse.Namespace, command: str) -> str:
     bare = results["bare"]
-    names = {"bare": "bare DDP (benchmarks/bare_ddp.py)", "none": "template, logger=none",
-             "wandb": "template, logger=wandb (offline)"}
+    names = {
+        "bare": "bare DDP (benchmarks/bare_ddp.py)",
+        "none": "template, logger=none",
+        "wandb": "template, logger=wandb (offline)",
+    }
     loads = [s["load"] for runs in results.values() for s in runs]
-    out = [f"Command: `{command}`", "", f"Template at {_git_state()}.", "",
-           f"{args.nproc} ranks, torchrun --standalone, gloo on CPU ({os.cpu_count()} cores), "
-           f"{args.repeats} repeats alternating; 1-min load average during the runs: "
-           f"{min(loads):.2f}–{max(loads):.2f} (mean {statistics.mean(loads):.2f}).", "",
-           "Values: mean over repeats (min–max) or ± std. Ratios: template mean ÷ bare mean, "
-           "then (min–max) of the ratios within each repeat (neighbours in time).", "",
-           "| variant | steady samples/s | ÷ bare | first step s | ÷ bare | peak RSS MiB "
-           + " / ".join(f"r{r}" for r in range(args.nproc))
-           + " | ÷ bare | child procs MiB | total wall s | ÷ bare |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        f"Command: `{command}`",
+        "",
+        f"Template at {_git_state()}.",
+        "",
+        f"{args.nproc} ranks, torchrun --standalone, gloo on CPU ({os.cpu_count()} cores), "
+        f"{args.repeats} repeats alternating; 1-min load average during the runs: "
+        f"{min(loads):.2f}–{max(loads):.2f} (mean {statistics.mean(loads):.2f}).",
+        "",
+        "Values: mean over repeats (min–max) or ± std. Ratios: template mean ÷ bare mean, "
+        "then (min–max) of the ratios within each repeat (neighbours in time).",
+        "",
+        "| variant | steady samples/s | ÷ bare | first step s | ÷ bare | peak RSS MiB "
+        + " / ".join(f"r{r}" for r in range(args.nproc))
+        + " | ÷ bare | child procs MiB | total wall s | ÷ bare |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for variant, runs in results.items():
+
         def ratio(key, runs=runs, variant=variant):
             """Ratio of the means over repeats, then the per-repeat ratios' min–max."""
             if variant == "bare":
@@ -183,64 +230,85 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, command: st
             of_means = statistics.mean(map(key, runs)) / statistics.mean(map(key, bare))
             each = [key(t) / key(b) for t, b in zip(runs, bare, strict=True)]
             return f"{of_means:.3f} ({min(each):.3f}–{max(each):.3f})"
+
         rss = " / ".join(_spread([s["rss"][r] for s in runs], ".0f") for r in range(args.nproc))
         out.append(
             f"| {names[variant]} | {_std([s['sps'] for s in runs], '.0f')} | "
             f"{ratio(lambda s: s['sps'])} | {_std([s['first_step_s'] for s in runs], '.2f')} | "
             f"{ratio(lambda s: s['first_step_s'])} | {rss} | {ratio(lambda s: max(s['rss']))} | "
             f"{statistics.mean(s['child_rss'] for s in runs):.0f} | "
-            f"{_std([s['wall_s'] for s in runs], '.2f')} | {ratio(lambda s: s['wall_s'])} |")
-    out += ["", "Milestones, seconds from process start (mean over ranks and repeats); "
-            "`script`: the probe has imported torch (and, for train.py, hydra and ddp_template) "
-            "and starts the script; `hydra_main`→`hydra_composed`: Hydra composition; "
-            "`pg_*`: init_process_group; `ddp*`: the DDP constructor; `logger*`: RankLogger "
-            "(W&B init).", "",
-            "| variant | " + " | ".join(MARKS) + " | first step | exit |",
-            "|---|" + "---:|" * (len(MARKS) + 2)]
+            f"{_std([s['wall_s'] for s in runs], '.2f')} | {ratio(lambda s: s['wall_s'])} |"
+        )
+    out += [
+        "",
+        "Milestones, seconds from process start (mean over ranks and repeats); "
+        "`script`: the probe has imported torch (and, for train.py, hydra and ddp_template) "
+        "and starts the script; `hydra_main`→`hydra_composed`: Hydra composition; "
+        "`pg_*`: init_process_group; `ddp*`: the DDP constructor; `logger*`: RankLogger "
+        "(W&B init).",
+        "",
+        "| variant | " + " | ".join(MARKS) + " | first step | exit |",
+        "|---|" + "---:|" * (len(MARKS) + 2),
+    ]
     for variant, runs in results.items():
         cells = []
         for m in MARKS:
             vals = [s["marks"][m] for s in runs if m in s["marks"]]
             cells.append(f"{statistics.mean(vals):.2f}" if vals else "—")
-        out.append(f"| {names[variant]} | " + " | ".join(cells) + " | "
-                   f"{statistics.mean(s['first_step_s'] for s in runs):.2f} | "
-                   f"{statistics.mean(s['exit_s'] for s in runs):.2f} |")
+        out.append(
+            f"| {names[variant]} | " + " | ".join(cells) + " | "
+            f"{statistics.mean(s['first_step_s'] for s in runs):.2f} | "
+            f"{statistics.mean(s['exit_s'] for s in runs):.2f} |"
+        )
     out += ["", "Startup spans (s):", *_derived(results), "", "Targets:"]
     for variant in results:
         if variant == "bare" or variant not in TARGETS:
             continue
         floor, ceiling = TARGETS[variant]
+
         def of_means(key: str, runs: list[dict] = results[variant]) -> float:
             return statistics.mean(s[key] for s in runs) / statistics.mean(s[key] for s in bare)
+
         sps, first = of_means("sps"), of_means("first_step_s")
         med = statistics.mean(s["sps_median"] for s in results[variant]) / statistics.mean(
-            s["sps_median"] for s in bare)
-        out.append(f"- {names[variant]}: samples/s {sps:.3f}× bare (with each run's median "
-                   f"epoch instead of its mean: {med:.3f}; target ≥ {floor}) "
-                   f"{'MET' if sps >= floor else 'MISSED'}; "
-                   f"first step {first:.2f}× bare (target ≤ {ceiling}) "
-                   f"{'MET' if first <= ceiling else 'MISSED'}")
+            s["sps_median"] for s in bare
+        )
+        out.append(
+            f"- {names[variant]}: samples/s {sps:.3f}× bare (with each run's median "
+            f"epoch instead of its mean: {med:.3f}; target ≥ {floor}) "
+            f"{'MET' if sps >= floor else 'MISSED'}; "
+            f"first step {first:.2f}× bare (target ≤ {ceiling}) "
+            f"{'MET' if first <= ceiling else 'MISSED'}"
+        )
     return "\n".join(out) + "\n"
 
 
 def main() -> None:
     args = parse_args()
-    command = shlex.join([Path(sys.executable).relative_to(ROOT).as_posix()
-                          if Path(sys.executable).is_relative_to(ROOT) else sys.executable,
-                          *sys.argv])
+    command = shlex.join(
+        [
+            Path(sys.executable).relative_to(ROOT).as_posix()
+            if Path(sys.executable).is_relative_to(ROOT)
+            else sys.executable,
+            *sys.argv,
+        ]
+    )
     variants = ["bare", *args.variants]
     results: dict[str, list[dict]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
         work = args.keep or Path(tmp)
         for rep in range(args.repeats):
-            order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+            order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
             for variant in order:
                 tag = f"{variant}-{rep}-{time.strftime('%H%M%S')}"
                 summary = summarise(run_once(variant, args, work, tag))
                 results[variant].append(summary)
-                print(f"repeat {rep} {variant:>5}: {summary['sps']:7.0f} samples/s, first step "
-                      f"{summary['first_step_s']:.2f} s, RSS {max(summary['rss']):.0f} MiB, "
-                      f"wall {summary['wall_s']:.2f} s, load {summary['load']:.2f}", flush=True)
+                print(
+                    f"repeat {rep} {variant:>5}: {summary['sps']:7.0f} samples/s, first step "
+                    f"{summary['first_step_s']:.2f} s, RSS {max(summary['rss']):.0f} MiB, "
+                    f"wall {summary['wall_s']:.2f} s, load {summary['load']:.2f}",
+                    flush=True,
+                )
     text = report(results, args, command)
     print("\n" + text)
     if args.out:

@@ -25,11 +25,14 @@ def free_port() -> int:
 
 
 def run_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC",
-                                "RUN_ID"))}
-    env.update(WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1",
-               HYDRA_FULL_ERROR="0")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "RUN_ID"))
+    }
+    env.update(
+        WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0"
+    )
     env.update(extra)
     return env
 
@@ -74,9 +77,14 @@ def _reap(token: str, grace: float) -> list[str]:
     return named
 
 
-def run(cmd: list[str], timeout: float = 240, env: dict[str, str] | None = None,
-        check: bool = True, leftovers: float | None = 60,
-        cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str],
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+    leftovers: float | None = 60,
+    cwd: Path = ROOT,
+) -> subprocess.CompletedProcess:
     """Run ``cmd`` to the end; its output goes to files, so a stray process cannot hang us.
 
     Afterwards no process it started may still run ``leftovers`` s later (a leak: orphaned loader
@@ -99,14 +107,19 @@ def run(cmd: list[str], timeout: float = 240, env: dict[str, str] | None = None,
         err.seek(0)
         proc = subprocess.CompletedProcess(cmd, p.returncode, out.read(), err.read())
     if timed_out:
-        raise AssertionError(f"timed out after {timeout} s\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"timed out after {timeout} s\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     if left:
-        raise AssertionError(f"still running {leftovers} s after the run ended (killed now):\n"
-                             + "\n".join(left) + f"\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"still running {leftovers} s after the run ended (killed now):\n"
+            + "\n".join(left)
+            + f"\n{proc.stderr[-3000:]}"
+        )
     if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n"
-                             f"{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 

@@ -37,7 +37,8 @@ def test_fingerprint_is_order_independent_and_additive() -> None:
     a, b = rng.integers(0, 10**9, 1000), rng.integers(0, 10**9, 500)
     assert fingerprint(a) == fingerprint(rng.permutation(a))
     assert (fingerprint_sum(a) + fingerprint_sum(b)) % 2**64 == fingerprint_sum(
-        np.concatenate([a, b]))
+        np.concatenate([a, b])
+    )
     assert fingerprint(a) != fingerprint(a[:-1])
 
 
@@ -54,8 +55,14 @@ def _observe(samplers: list[ShardSampler], upto: int | None = None) -> list[dict
     out = []
     for s in samplers:
         idx = np.array(list(s))[:upto]
-        out.append({"samples": len(idx), "duplicates": s.padding_in_prefix(len(idx)),
-                    "fingerprint": fingerprint_sum(idx), "indices": idx})
+        out.append(
+            {
+                "samples": len(idx),
+                "duplicates": s.padding_in_prefix(len(idx)),
+                "fingerprint": fingerprint_sum(idx),
+                "indices": idx,
+            }
+        )
     return out
 
 
@@ -72,13 +79,13 @@ def _samplers(n: int, w: int, mode: str, seeds: list[int], epochs: list[int]) ->
 def _report(n: int, w: int, mode: str, seeds: list[int], epochs: list[int], upto=None):
     truth = _samplers(n, w, mode, [0] * w, [1] * w)  # what the mode defines (epoch 1, seed 0)
     observed = _observe(_samplers(n, w, mode, seeds, epochs), upto)
-    expected = [expected_fingerprint(truth[0], r, 0, o["samples"]) for r, o in
-                enumerate(observed)]
+    expected = [expected_fingerprint(truth[0], r, 0, o["samples"]) for r, o in enumerate(observed)]
     return shard_report(mode, n, observed, expected)
 
 
-@pytest.mark.parametrize("mode,coverage,overlap", [
-    ("padded", 1.0, 1), ("drop_last", 10 / 11, 0), ("sequential", 1.0, 1)])
+@pytest.mark.parametrize(
+    "mode,coverage,overlap", [("padded", 1.0, 1), ("drop_last", 10 / 11, 0), ("sequential", 1.0, 1)]
+)
 def test_report_for_each_mode(mode: str, coverage: float, overlap: int) -> None:
     report = _report(11, 2, mode, [0, 0], [1, 1])
     assert report["verdict"] == "ok"

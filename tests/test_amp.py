@@ -26,8 +26,12 @@ from ddp_template.errors import ConfigError
 CPU = torch.device("cpu")
 # Small scaler settings so a short run shows growth: 46 clean steps -> 1 * 2**4 = 16.
 FP16_SCALER = {"init_scale": 1.0, "growth_interval": 10}
-FP16_OVERRIDES = ("amp=fp16", f"amp.init_scale={FP16_SCALER['init_scale']}",
-                  f"amp.growth_interval={FP16_SCALER['growth_interval']}", "optim.grad_clip=1.0")
+FP16_OVERRIDES = (
+    "amp=fp16",
+    f"amp.init_scale={FP16_SCALER['init_scale']}",
+    f"amp.growth_interval={FP16_SCALER['growth_interval']}",
+    "optim.grad_clip=1.0",
+)
 DIGITS_STEPS_PER_EPOCH = 23  # ceil(1438 / 2 ranks / batch 32)
 
 
@@ -150,8 +154,13 @@ def tiny_setup(scale: float = 1024.0, growth_interval: int = 3):
     return model, opt, make_scaler(cfg, CPU), torch.randn(8, 4)
 
 
-def scaler_step(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                x: torch.Tensor, factor: float = 1.0) -> None:
+def scaler_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    x: torch.Tensor,
+    factor: float = 1.0,
+) -> None:
     loss = model(x).square().mean() * factor
     scaler.scale(loss).backward()
     scaler.step(opt)
@@ -202,13 +211,23 @@ def test_gradients_are_unscaled_before_clipping() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     cfg = AmpConfig(mode=AmpMode.fp16, init_scale=2.0**10, growth_interval=2000)
     info = DistInfo(0, 0, 1, 1, None, CPU, "localhost")
-    tr = Trainer(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
-                 make_scaler(cfg, CPU), None, None, info, "fp16", grad_clip=clip)
+    tr = Trainer(
+        model,
+        opt,
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
+        make_scaler(cfg, CPU),
+        None,
+        None,
+        info,
+        "fp16",
+        grad_clip=clip,
+    )
     _, norm = _step(tr, x, y, want_norm=True)
     # fp16 autocast changes the forward slightly; a scaled norm would be 1024x off.
     assert float(norm) == pytest.approx(true_norm, rel=0.02)
-    update = torch.cat([(p.detach() - r).flatten()
-                        for p, r in zip(model.parameters(), reference, strict=True)])
+    update = torch.cat(
+        [(p.detach() - r).flatten() for p, r in zip(model.parameters(), reference, strict=True)]
+    )
     assert float(update.norm()) == pytest.approx(clip, rel=1e-3)  # lr 1: step = clipped grads
 
 

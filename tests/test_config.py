@@ -89,8 +89,9 @@ def _image_folder(root: Path) -> Path:
 
 
 def test_imagefolder_instantiates(tmp_path: Path) -> None:
-    cfg = compose_cfg("data=imagefolder", f"data.path={_image_folder(tmp_path / 'img')}",
-                      "data.image_size=16")
+    cfg = compose_cfg(
+        "data=imagefolder", f"data.path={_image_folder(tmp_path / 'img')}", "data.image_size=16"
+    )
     splits = build_splits(cfg.data)
     assert len(splits.train) == 6 and splits.info.num_classes == 2
     assert splits.train[0][0].shape == (3, 16, 16)
@@ -109,29 +110,35 @@ def test_torchvision_data_offline_is_a_clear_error(name: str, tmp_path: Path) ->
         build_splits(cfg.data)
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("sampler=nope", "sampler"),
-    ("batch_size=abc", "batch_size"),
-    ("sampler.shufle=true", "shufle"),
-    ("sampler.permutation=random", "permutation"),
-    ("model=nope", "model"),
-])
-def test_bad_override_exits_nonzero_naming_it(tmp_path: Path, override: str,
-                                              needle: str) -> None:
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("sampler=nope", "sampler"),
+        ("batch_size=abc", "batch_size"),
+        ("sampler.shufle=true", "shufle"),
+        ("sampler.permutation=random", "permutation"),
+        ("model=nope", "model"),
+    ],
+)
+def test_bad_override_exits_nonzero_naming_it(tmp_path: Path, override: str, needle: str) -> None:
     proc = run(train_cmd(tmp_path, override, "logger=none"), check=False, timeout=120)
     assert proc.returncode != 0
     assert needle in proc.stderr + proc.stdout
     assert not (tmp_path / "outputs").exists()  # rejected before any run dir
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["batch_size=0"], "batch_size=0"),
-    (["sampler=sequential", "sampler.shuffle=true"], "sampler.shuffle"),
-    (["backend=nccl"], "backend.name=nccl"),
-    (["sampler=drop_last", "data=synthetic", "data.size=1", "dist.nproc=2"], "drop_last"),
-])
-def test_meaningless_values_get_one_sentence(tmp_path: Path, overrides: list[str],
-                                             needle: str) -> None:
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["batch_size=0"], "batch_size=0"),
+        (["sampler=sequential", "sampler.shuffle=true"], "sampler.shuffle"),
+        (["backend=nccl"], "backend.name=nccl"),
+        (["sampler=drop_last", "data=synthetic", "data.size=1", "dist.nproc=2"], "drop_last"),
+    ],
+)
+def test_meaningless_values_get_one_sentence(
+    tmp_path: Path, overrides: list[str], needle: str
+) -> None:
     if "backend=nccl" in overrides and torch.cuda.is_available():
         pytest.skip("nccl is valid on a CUDA machine")
     proc = run(train_cmd(tmp_path, *overrides, "logger=none", "epochs=1"), check=False)

@@ -53,11 +53,16 @@ def only_run_dir(out: Path) -> Path:
 # --- data=array: the worked dataset example ------------------------------------------------
 
 
-def _npz(path: Path, n_train: int = 40, n_test: int = 10, features: int = 16,
-         **replace: np.ndarray) -> Path:
+def _npz(
+    path: Path, n_train: int = 40, n_test: int = 10, features: int = 16, **replace: np.ndarray
+) -> Path:
     rng = np.random.default_rng(0)
-    arrays = {"x_train": rng.normal(size=(n_train, features)), "y_train": np.arange(n_train) % 3,
-              "x_test": rng.normal(size=(n_test, features)), "y_test": np.arange(n_test) % 4}
+    arrays = {
+        "x_train": rng.normal(size=(n_train, features)),
+        "y_train": np.arange(n_train) % 3,
+        "x_test": rng.normal(size=(n_test, features)),
+        "y_test": np.arange(n_test) % 4,
+    }
     arrays.update(replace)
     np.savez(path, **arrays)
     return path
@@ -69,8 +74,9 @@ def _csv_dir(root: Path, features: int = 64, header: bool = True) -> Path:
     for split, n in (("train", 30), ("test", 12)):
         table = np.column_stack([np.arange(n) % 5, rng.normal(size=(n, features))])
         names = ",".join(["label"] + [f"f{k}" for k in range(features)])
-        np.savetxt(root / f"{split}.csv", table, delimiter=",", header=names if header else "",
-                   comments="")
+        np.savetxt(
+            root / f"{split}.csv", table, delimiter=",", header=names if header else "", comments=""
+        )
     return root
 
 
@@ -94,22 +100,29 @@ def test_array_csv_folder_with_image_shape(tmp_path: Path) -> None:
     assert torch.equal(headerless.train[3][0], splits.train[3][0])
 
 
-@pytest.mark.parametrize("case,needle", [
-    ("missing", r"data.path=.*nope.*neither a .npz file nor a folder"),
-    ("keys", r"data.path=.* lacks the arrays \['y_test'\]"),
-    ("labels", r"data.path=.*train labels must be integers"),
-    ("shape", r"16 features but data.image_shape=\[1, 8, 8\] needs 64"),
-    ("square", r"data.image_shape=\[1, 2, 8\] must be \[C, H, W\] with H == W"),
-    ("csv", r"data.path=.* has no test.csv"),
-])
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("missing", r"data.path=.*nope.*neither a .npz file nor a folder"),
+        ("keys", r"data.path=.* lacks the arrays \['y_test'\]"),
+        ("labels", r"data.path=.*train labels must be integers"),
+        ("shape", r"16 features but data.image_shape=\[1, 8, 8\] needs 64"),
+        ("square", r"data.image_shape=\[1, 2, 8\] must be \[C, H, W\] with H == W"),
+        ("csv", r"data.path=.* has no test.csv"),
+    ],
+)
 def test_array_bad_input_names_the_key(tmp_path: Path, case: str, needle: str) -> None:
     path, shape = tmp_path / "d.npz", None
     if case == "missing":
         path = tmp_path / "nope"
     elif case == "keys":
         rng = np.random.default_rng(0)
-        np.savez(path, x_train=rng.normal(size=(4, 2)), y_train=np.zeros(4),
-                 x_test=rng.normal(size=(2, 2)))
+        np.savez(
+            path,
+            x_train=rng.normal(size=(4, 2)),
+            y_train=np.zeros(4),
+            x_test=rng.normal(size=(2, 2)),
+        )
     elif case == "labels":
         _npz(path, y_train=np.linspace(0, 1, 40))
     elif case in ("shape", "square"):
@@ -135,7 +148,7 @@ def test_debug_fast_trains_on_array_data(tmp_path: Path) -> None:
 
 # --- a user's own model and dataset, kept outside the repository ---------------------------
 
-MYMODELS = '''
+MYMODELS = """
 from torch import nn
 
 
@@ -143,9 +156,9 @@ def tiny_mlp(num_classes, in_channels, image_size, hidden=16):
     features = in_channels * image_size * image_size
     return nn.Sequential(nn.Flatten(), nn.Linear(features, hidden), nn.ReLU(),
                          nn.Linear(hidden, num_classes))
-'''
+"""
 
-MYDATA = '''
+MYDATA = """
 import torch
 
 from ddp_template.data.datasets import DataInfo, IndexedTensors, Splits
@@ -160,34 +173,55 @@ def blobs(size=64, eval_size=16, features=4, num_classes=3, seed=0):
         return IndexedTensors(x, y)
 
     return Splits(split(size), split(eval_size), DataInfo(num_classes, features, image_size=1))
-'''
+"""
 
 
 def test_own_model_and_dataset_on_two_ranks(tmp_path: Path) -> None:
     code, conf = tmp_path / "code", tmp_path / "conf"
-    for path, text in ((code / "mymodels.py", MYMODELS), (code / "mydata.py", MYDATA),
-                       (conf / "model" / "mlp.yaml", "_target_: mymodels.tiny_mlp\nhidden: 8\n"),
-                       (conf / "data" / "blobs.yaml", "_target_: mydata.blobs\nsize: 50\n")):
+    for path, text in (
+        (code / "mymodels.py", MYMODELS),
+        (code / "mydata.py", MYDATA),
+        (conf / "model" / "mlp.yaml", "_target_: mymodels.tiny_mlp\nhidden: 8\n"),
+        (conf / "data" / "blobs.yaml", "_target_: mydata.blobs\nsize: 50\n"),
+    ):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text))
     paths = [str(code), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = run_env(PYTHONPATH=os.pathsep.join(paths))
-    run(train_cmd(tmp_path, f"hydra.searchpath=[file://{conf}]", "model=mlp", "data=blobs",
-                  "dist.nproc=2", "batch_size=8", *FAST), env=env)
+    run(
+        train_cmd(
+            tmp_path,
+            f"hydra.searchpath=[file://{conf}]",
+            "model=mlp",
+            "data=blobs",
+            "dist.nproc=2",
+            "batch_size=8",
+            *FAST,
+        ),
+        env=env,
+    )
     run_dir = only_run_dir(tmp_path)
     result = summary(run_dir)
     assert (result["world_size"], result["train_size"], result["eval_count"]) == (2, 50, 16)
     assert result["steps"] == 3
-    epochs = [[r for r in jsonl(run_dir / f"rank{k}" / "metrics.jsonl") if "data/samples" in r]
-              for k in (0, 1)]
+    epochs = [
+        [r for r in jsonl(run_dir / f"rank{k}" / "metrics.jsonl") if "data/samples" in r]
+        for k in (0, 1)
+    ]
     assert [e[0]["data/samples"] for e in epochs] == [24, 24]  # 3 steps x batch 8 per rank
     hydra_cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     assert hydra_cfg.model._target_ == "mymodels.tiny_mlp" and hydra_cfg.model.hidden == 8
 
 
 def test_another_torchvision_model_trains_a_step() -> None:
-    cfg = compose_cfg("model=torchvision", "model.name=shufflenet_v2_x0_5", "data=synthetic",
-                      "data.size=4", "data.image_size=16", "data.num_classes=5")
+    cfg = compose_cfg(
+        "model=torchvision",
+        "model.name=shufflenet_v2_x0_5",
+        "data=synthetic",
+        "data.size=4",
+        "data.image_size=16",
+        "data.num_classes=5",
+    )
     loss = _one_step(cfg)
     assert torch.isfinite(loss)
 
@@ -220,15 +254,22 @@ def test_every_experiment_is_listed() -> None:
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_composes_and_steps(name: str) -> None:
     cfg = compose_cfg(f"+experiment={name}")
-    expected = {"digits_ddp": ("small_cnn", "digits", 2, "off"),
-                "cifar10_resnet18": ("resnet18", "cifar10", 1, "bf16"),
-                "synthetic_throughput": ("small_cnn", "synthetic", 1, "off")}[name]
-    got = (cfg.model._target_.rsplit(".", 1)[1], cfg.data._target_.rsplit(".", 1)[1],
-           cfg.dist.nproc, cfg.amp.mode.value)
+    expected = {
+        "digits_ddp": ("small_cnn", "digits", 2, "off"),
+        "cifar10_resnet18": ("resnet18", "cifar10", 1, "bf16"),
+        "synthetic_throughput": ("small_cnn", "synthetic", 1, "off"),
+    }[name]
+    got = (
+        cfg.model._target_.rsplit(".", 1)[1],
+        cfg.data._target_.rsplit(".", 1)[1],
+        cfg.dist.nproc,
+        cfg.amp.mode.value,
+    )
     assert got == expected
     if name != "digits_ddp":  # CIFAR-10 cannot be had offline; the preset's shape can
-        cfg = compose_cfg(f"+experiment={name}", "data=synthetic", "data.size=8",
-                          "data.image_size=32")
+        cfg = compose_cfg(
+            f"+experiment={name}", "data=synthetic", "data.size=8", "data.image_size=32"
+        )
     assert torch.isfinite(_one_step(cfg))
 
 
@@ -259,7 +300,8 @@ def test_local_and_debug_override_the_base_and_presets_win(tmp_path: Path) -> No
     cfg = compose_cfg("+experiment=digits_ddp", "debug=fast", conf=conf)
     assert cfg.dist.nproc == 2  # the preset is applied last: its keys win over debug's
     assert compose_cfg("+experiment=cifar10_resnet18", conf=conf).model._target_.endswith(
-        "resnet18")
+        "resnet18"
+    )
 
 
 def test_local_example_overrides_and_is_optional(tmp_path: Path) -> None:
@@ -286,8 +328,13 @@ def _doc_block(heading: str) -> str:
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="the rename commands use git grep")
 def test_rename_commands_work_on_a_copy(tmp_path: Path) -> None:
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                           cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     repo = tmp_path / "repo"
     for rel in filter(None, files.split("\0")):
         if (ROOT / rel).is_file():
@@ -296,16 +343,30 @@ def test_rename_commands_work_on_a_copy(tmp_path: Path) -> None:
     git = ["git", "-c", "init.defaultBranch=main"]
     subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
     subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
-    subprocess.run(["bash", "-euo", "pipefail", "-c", _doc_block("### 1. Rename the package")],
-                   cwd=repo, check=True)
-    left = subprocess.run(["git", "grep", "-nI", "-e", "ddp_template", "-e", "ddp-template"],
-                          cwd=repo, capture_output=True, text=True)
+    subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", _doc_block("### 1. Rename the package")],
+        cwd=repo,
+        check=True,
+    )
+    left = subprocess.run(
+        ["git", "grep", "-nI", "-e", "ddp_template", "-e", "ddp-template"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+    )
     assert left.returncode == 1, left.stdout[:2000]  # 1: no match anywhere
     assert (repo / "src" / "my_project" / "data" / "array.py").is_file()
     assert 'name = "my-project"' in (repo / "pyproject.toml").read_text()
-    cmd = [PY, str(repo / "train.py"), f"paths.output_root={tmp_path / 'outputs'}",
-           "debug=fast", "data=synthetic", "data.size=16",
-           "data.eval_size=8", "data.image_size=8"]
+    cmd = [
+        PY,
+        str(repo / "train.py"),
+        f"paths.output_root={tmp_path / 'outputs'}",
+        "debug=fast",
+        "data=synthetic",
+        "data.size=16",
+        "data.eval_size=8",
+        "data.image_size=8",
+    ]
     env = run_env(PYTHONPATH=str(repo / "src"))
     run(cmd, env=env, cwd=repo)  # asserts exit 0
     assert summary(only_run_dir(tmp_path))["steps"] == 1
@@ -313,9 +374,19 @@ def test_rename_commands_work_on_a_copy(tmp_path: Path) -> None:
 
 def test_sweep_over_an_experiment(tmp_path: Path) -> None:
     """The doc's sweep, shortened by debug=fast: one job per learning rate."""
-    run(train_cmd(tmp_path, "-m", "+experiment=synthetic_throughput",
-                  "optim.lr=0.1,0.05", "debug=fast", "data.size=64",
-                  "data.eval_size=16", "data.image_size=8", "batch_size=16"))
+    run(
+        train_cmd(
+            tmp_path,
+            "-m",
+            "+experiment=synthetic_throughput",
+            "optim.lr=0.1,0.05",
+            "debug=fast",
+            "data.size=64",
+            "data.eval_size=16",
+            "data.image_size=8",
+            "batch_size=16",
+        )
+    )
     (sweep,) = (tmp_path / "multirun").iterdir()
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
     assert jobs == ["0", "1"]

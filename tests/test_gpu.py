@@ -44,8 +44,11 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 # ``combined_grads`` averages ``mean`` losses over test_syncbn's 2 ranks, so 1 rank uses ``sum``.
 SYNC_CASES: dict[int, dict[str, tuple[tuple[int, ...], str]]] = {
     1: {"whole": ((GLOBAL_BATCH,), "sum")},
-    2: {"even_mean": ((4, 4), "mean"), "uneven_5_3": ((5, 3), "sum"),
-        "uneven_1_7": ((1, 7), "sum")},
+    2: {
+        "even_mean": ((4, 4), "mean"),
+        "uneven_5_3": ((5, 3), "sum"),
+        "uneven_1_7": ((1, 7), "sum"),
+    },
 }
 
 
@@ -70,8 +73,13 @@ def syncbn_worker(rank: int, world: int, port: int, out_dir: str, backend: str) 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     exact_math()
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
     try:
         x, y = (t.to(device) for t in make_batch())
         results: dict[str, Any] = {}
@@ -79,8 +87,11 @@ def syncbn_worker(rank: int, world: int, port: int, out_dir: str, backend: str) 
             model = convert_sync_batchnorm(make_model(), device_type=device.type).to(device)
             xs, ys = local_slice(x, sizes, rank), local_slice(y, sizes, rank)
             results[name] = to_cpu(model_step(model, xs, ys, loss))
-        results["synced_types"] = [type(m) is nn.SyncBatchNorm for m in model.modules()
-                                   if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        results["synced_types"] = [
+            type(m) is nn.SyncBatchNorm
+            for m in model.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        ]
         if rank == 0:
             results["reference"] = to_cpu(model_step(make_model().to(device), x, y, "sum"))
         dist.barrier()
@@ -90,8 +101,9 @@ def syncbn_worker(rank: int, world: int, port: int, out_dir: str, backend: str) 
 
 
 def run_syncbn(world: int, out_dir: Path, backend: str = "nccl") -> list[dict[str, Any]]:
-    mp.spawn(syncbn_worker, args=(world, free_port(), str(out_dir), backend), nprocs=world,
-             join=True)
+    mp.spawn(
+        syncbn_worker, args=(world, free_port(), str(out_dir), backend), nprocs=world, join=True
+    )
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -104,8 +116,7 @@ def assert_syncbn_matches_plain(per_rank: list[dict[str, Any]], world: int) -> N
         torch.testing.assert_close(combined_grads(got, loss), ref["grads"], **TOL)
         torch.testing.assert_close(torch.cat([r["out"] for r in got]), ref["out"], **TOL)
         if loss == "sum":
-            torch.testing.assert_close(torch.cat([r["x_grad"] for r in got]), ref["x_grad"],
-                                       **TOL)
+            torch.testing.assert_close(torch.cat([r["x_grad"] for r in got]), ref["x_grad"], **TOL)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -140,8 +151,17 @@ def test_amp_trains_a_few_steps_on_cuda(mode: str) -> None:
     scaler = make_scaler(cfg, device)
     assert scaler.is_enabled() is (mode == "fp16")
     info = DistInfo(0, 0, 1, 1, None, device, "localhost")
-    tr = Trainer(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), scaler,
-                 None, None, info, mode, grad_clip=5.0)
+    tr = Trainer(
+        model,
+        opt,
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
+        scaler,
+        None,
+        None,
+        info,
+        mode,
+        grad_clip=5.0,
+    )
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(32, 3, 16, 16, generator=g).to(device)
     y = (x.mean(dim=(1, 2, 3)) > 0).long() + 2 * (x[:, 0].mean(dim=(1, 2)) > 0).long()
@@ -153,8 +173,9 @@ def test_amp_trains_a_few_steps_on_cuda(mode: str) -> None:
 
 
 def test_torchrun_one_rank_nccl_syncbn_run_finishes(tmp_path: Path) -> None:
-    cmd = train_cmd(tmp_path, "backend=nccl", "syncbn=on", "epochs=1", "logger=none",
-                    launcher=torchrun(1))
+    cmd = train_cmd(
+        tmp_path, "backend=nccl", "syncbn=on", "epochs=1", "logger=none", launcher=torchrun(1)
+    )
     run(cmd, timeout=240)
     (run_dir,) = (tmp_path / "outputs").iterdir()
     result = summary(run_dir)

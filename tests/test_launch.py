@@ -28,8 +28,9 @@ TINY = ["logger=none", "epochs=1", "max_steps_per_epoch=4"]
 
 
 def test_failing_rank_stops_all_with_its_traceback(tmp_path: Path) -> None:
-    cmd = train_cmd(tmp_path, "dist.nproc=2", "logger=none", "fault.crash_at_step=3",
-                    "fault.rank=1")
+    cmd = train_cmd(
+        tmp_path, "dist.nproc=2", "logger=none", "fault.crash_at_step=3", "fault.rank=1"
+    )
     # torchrun semantics: everyone stops, promptly, and no rank (or loader worker) is left
     # behind: run() fails if any process this command started outlives it by 10 s.
     proc = run(cmd, timeout=60, check=False, leftovers=10)
@@ -40,9 +41,17 @@ def test_failing_rank_stops_all_with_its_traceback(tmp_path: Path) -> None:
 
 
 def test_two_runs_at_once_do_not_collide(tmp_path: Path) -> None:
-    procs = [subprocess.Popen(train_cmd(tmp_path / str(i), "dist.nproc=2", *TINY), cwd=ROOT,
-                              env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            train_cmd(tmp_path / str(i), "dist.nproc=2", *TINY),
+            cwd=ROOT,
+            env=run_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outputs = [p.communicate(timeout=240)[0] for p in procs]
     for i, p in enumerate(procs):
         assert p.returncode == 0, outputs[i][-3000:]
@@ -60,32 +69,63 @@ def test_two_nodes_two_ranks_each_on_localhost(tmp_path: Path) -> None:
     port, rdzv_id = free_port(), "twonodes"
     agents = []
     for _node in range(2):
-        launcher = [*TORCHRUN, "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}"]
-        cmd = train_cmd(tmp_path, "logger=none", "epochs=1", "data=synthetic", "data.size=37",
-                        "data.eval_size=9", "data.image_size=8", "batch_size=4",
-                        launcher=launcher)
-        agents.append(subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True))
+        launcher = [
+            *TORCHRUN,
+            "--nnodes=2",
+            "--nproc-per-node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={rdzv_id}",
+        ]
+        cmd = train_cmd(
+            tmp_path,
+            "logger=none",
+            "epochs=1",
+            "data=synthetic",
+            "data.size=37",
+            "data.eval_size=9",
+            "data.image_size=8",
+            "batch_size=4",
+            launcher=launcher,
+        )
+        agents.append(
+            subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=run_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [a.communicate(timeout=300)[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     (run_dir,) = run_dirs(tmp_path)
     assert run_dir.name == rdzv_id and summary(run_dir)["world_size"] == 4
     for rank in range(4):
         want = list(DistributedSampler(range(37), num_replicas=4, rank=rank, seed=0))
-        (row,) = [r for r in jsonl(run_dir / f"rank{rank}" / "metrics.jsonl")
-                  if "data/samples" in r]
+        (row,) = [
+            r for r in jsonl(run_dir / f"rank{rank}" / "metrics.jsonl") if "data/samples" in r
+        ]
         assert row["data/samples"] == len(want) == 10
         assert row["data/fingerprint"] == fingerprint(np.array(want))
-    assert sorted(p.name for p in run_dir.glob("rank*.log")) == ["rank1.log", "rank2.log",
-                                                                  "rank3.log"]
+    assert sorted(p.name for p in run_dir.glob("rank*.log")) == [
+        "rank1.log",
+        "rank2.log",
+        "rank3.log",
+    ]
 
 
 def test_help_lists_groups_and_launch_commands() -> None:
     proc = run([PY, str(ROOT / "train.py"), "--help"], timeout=60)
-    for line in ("sampler     drop_last, padded, sequential", "amp         bf16, fp16, off",
-                 "torchrun --standalone --nproc-per-node=2 train.py", "dist.nproc=2",
-                 "hydra/launcher=slurm", "multinode.sbatch"):
+    for line in (
+        "sampler     drop_last, padded, sequential",
+        "amp         bf16, fp16, off",
+        "torchrun --standalone --nproc-per-node=2 train.py",
+        "dist.nproc=2",
+        "hydra/launcher=slurm",
+        "multinode.sbatch",
+    ):
         assert line in proc.stdout
     assert "_schema" not in proc.stdout
 
@@ -104,8 +144,16 @@ def test_run_id_sources(env_key: str) -> None:
 
 def test_optuna_sweep_preset_maximises_eval_accuracy(tmp_path: Path) -> None:
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e '.[optuna]'")
-    proc = run(train_cmd(tmp_path, "-m", "hydra/sweeper=optuna_lr", "hydra.sweeper.n_trials=2",
-                         "dist.nproc=2", *TINY))
+    proc = run(
+        train_cmd(
+            tmp_path,
+            "-m",
+            "hydra/sweeper=optuna_lr",
+            "hydra.sweeper.n_trials=2",
+            "dist.nproc=2",
+            *TINY,
+        )
+    )
     (sweep,) = run_dirs(tmp_path, "multirun")
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
     assert len(jobs) == 2

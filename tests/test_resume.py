@@ -18,14 +18,28 @@ from wandb_reader import find_runs
 from ddp_template import checkpoint
 from ddp_template.errors import EXIT_PREEMPTED
 
-BASE = ["data=synthetic", "data.size=60", "data.eval_size=20", "data.image_size=8",
-        "batch_size=4", "epochs=2", "num_workers=2", "checkpoint.every_steps=1"]
+BASE = [
+    "data=synthetic",
+    "data.size=60",
+    "data.eval_size=20",
+    "data.image_size=8",
+    "batch_size=4",
+    "epochs=2",
+    "num_workers=2",
+    "checkpoint.every_steps=1",
+]
 # 60 samples / 2 ranks / batch 4 = 8 steps per epoch; step 11 is mid-way through epoch 1.
 CRASH = ["fault.crash_at_step=11", "fault.rank=1"]
 
 
-def launch(out: Path, run_id: str, *overrides: str, nproc_flag: bool = True,
-           check: bool = True, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+def launch(
+    out: Path,
+    run_id: str,
+    *overrides: str,
+    nproc_flag: bool = True,
+    check: bool = True,
+    launcher: list[str] | None = None,
+) -> subprocess.CompletedProcess:
     extra = ["dist.nproc=2"] if nproc_flag else []
     cmd = train_cmd(out, *BASE, *extra, *overrides, launcher=launcher)
     return run(cmd, env=run_env(RUN_ID=run_id), check=check)
@@ -62,8 +76,7 @@ def test_reference_is_deterministic_and_stop_matters(reference, tmp_path: Path) 
 
 
 @pytest.mark.parametrize("amp", ["off", "bf16"])
-def test_crash_mid_epoch_then_resume_is_bit_identical(reference, tmp_path: Path,
-                                                      amp: str) -> None:
+def test_crash_mid_epoch_then_resume_is_bit_identical(reference, tmp_path: Path, amp: str) -> None:
     proc = launch(tmp_path, "crash", "logger=none", f"amp={amp}", *CRASH, check=False)
     assert proc.returncode != 0
     assert "fault injected: rank 1" in proc.stderr
@@ -78,15 +91,26 @@ def test_crash_mid_epoch_then_resume_is_bit_identical(reference, tmp_path: Path,
     assert [r["data/samples"] for r in epoch1] == [30 - 8]  # crash run logged no epoch 1
 
 
-@pytest.mark.parametrize("at,every,stopped_at", [
-    (11, 1, (12, 13)),  # checked every step: all ranks stop at the next step boundary
-    (3, 10, (8, 8)),  # checked every 10 steps: the epoch end (step 8) comes first
-])
-def test_sigterm_checkpoints_exits_75_then_resumes(reference, tmp_path: Path, at: int,
-                                                   every: int, stopped_at: tuple) -> None:
+@pytest.mark.parametrize(
+    "at,every,stopped_at",
+    [
+        (11, 1, (12, 13)),  # checked every step: all ranks stop at the next step boundary
+        (3, 10, (8, 8)),  # checked every 10 steps: the epoch end (step 8) comes first
+    ],
+)
+def test_sigterm_checkpoints_exits_75_then_resumes(
+    reference, tmp_path: Path, at: int, every: int, stopped_at: tuple
+) -> None:
     check = f"checkpoint.preempt_check_every={every}"
-    proc = launch(tmp_path, "term", f"fault.crash_at_step={at}", "fault.rank=1",
-                  "fault.signal=SIGTERM", check, check=False)
+    proc = launch(
+        tmp_path,
+        "term",
+        f"fault.crash_at_step={at}",
+        "fault.rank=1",
+        "fault.signal=SIGTERM",
+        check,
+        check=False,
+    )
     assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-3000:]
     assert "received SIGTERM" in proc.stdout + proc.stderr
     stopped = torch.load(tmp_path / "outputs/term/checkpoints/last.pt", weights_only=True)
@@ -112,12 +136,20 @@ def test_in_process_max_restarts_recovers_identically(reference, tmp_path: Path)
 
 
 @pytest.mark.parametrize("restarts", [0, 1])
-def test_sigkilled_rank_takes_its_loader_workers_along(reference, tmp_path: Path,
-                                                       restarts: int) -> None:
+def test_sigkilled_rank_takes_its_loader_workers_along(
+    reference, tmp_path: Path, restarts: int
+) -> None:
     """The OOM killer's way: no exception, no handler. ``run`` fails on any process left behind
     (under forkserver the killed rank's workers used to outlive the whole run)."""
-    proc = launch(tmp_path, "oom", "logger=none", f"dist.max_restarts={restarts}", *CRASH,
-                  "fault.signal=SIGKILL", check=restarts > 0)
+    proc = launch(
+        tmp_path,
+        "oom",
+        "logger=none",
+        f"dist.max_restarts={restarts}",
+        *CRASH,
+        "fault.signal=SIGKILL",
+        check=restarts > 0,
+    )
     if restarts:
         assert_identical(reference["off"], final_model(tmp_path, "oom"))
     else:
@@ -128,8 +160,13 @@ def test_other_world_size_is_refused_clearly(tmp_path: Path) -> None:
     launch(tmp_path, "ws2", "logger=none", "epochs=1")
     ckpt = tmp_path / "outputs/ws2/checkpoints/last.pt"
     before = ckpt.read_bytes()
-    cmd = train_cmd(tmp_path, *BASE, "logger=none", f"resume={ckpt}",
-                    launcher=[*TORCHRUN, "--standalone", "--nproc-per-node=3"])
+    cmd = train_cmd(
+        tmp_path,
+        *BASE,
+        "logger=none",
+        f"resume={ckpt}",
+        launcher=[*TORCHRUN, "--standalone", "--nproc-per-node=3"],
+    )
     proc = run(cmd, env=run_env(RUN_ID="ws3"), check=False)
     assert proc.returncode != 0
     assert "world size 2 but this run has 3 ranks" in proc.stdout + proc.stderr
@@ -180,5 +217,3 @@ def test_weights_only_load_refuses_code(tmp_path: Path) -> None:
     torch.save({"format": 1, "x": Evil()}, path)
     with pytest.raises(checkpoint.ConfigError, match="cannot be read"):
         checkpoint.load(path)
-
-

@@ -18,8 +18,15 @@ from helpers import PY, ROOT, jsonl, run, run_env, summary
 
 pytestmark = pytest.mark.slow
 
-TINY = ["epochs=1", "max_steps_per_epoch=3", "logger=none", "data=synthetic", "data.size=64",
-        "data.eval_size=32", "data.image_size=8"]
+TINY = [
+    "epochs=1",
+    "max_steps_per_epoch=3",
+    "logger=none",
+    "data=synthetic",
+    "data.size=64",
+    "data.eval_size=32",
+    "data.image_size=8",
+]
 BINARIES = ("sinfo", "sbatch", "squeue", "scancel", "srun", "slurmctld", "slurmd", "munged")
 
 
@@ -29,8 +36,13 @@ def slurm() -> None:
     missing = [b for b in BINARIES if shutil.which(b) is None]
     if missing:
         pytest.skip(f"SLURM not installed: run .ci/slurm_up.sh (missing {', '.join(missing)})")
-    proc = subprocess.run(["bash", str(ROOT / ".ci" / "slurm_up.sh")], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "SLURM_UP_NO_INSTALL": "1"})
+    proc = subprocess.run(
+        ["bash", str(ROOT / ".ci" / "slurm_up.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "SLURM_UP_NO_INSTALL": "1"},
+    )
     if proc.returncode != 0:
         pytest.skip(f"SLURM cluster is not up: {(proc.stderr or proc.stdout).strip()[-400:]}")
 
@@ -60,9 +72,19 @@ def assert_both_ranks_trained(run_dir: Path) -> dict:
 
 def test_submitit_launcher_preset_runs_two_ranks_in_one_job(slurm: None, tmp_path: Path) -> None:
     out = tmp_path / "multirun"
-    run([PY, str(ROOT / "train.py"), "-m", "hydra/launcher=slurm", "dist.nproc=2", *TINY,
-         f"paths.multirun_root={out}", f"paths.output_root={tmp_path / 'outputs'}"],
-        timeout=150)
+    run(
+        [
+            PY,
+            str(ROOT / "train.py"),
+            "-m",
+            "hydra/launcher=slurm",
+            "dist.nproc=2",
+            *TINY,
+            f"paths.multirun_root={out}",
+            f"paths.output_root={tmp_path / 'outputs'}",
+        ],
+        timeout=150,
+    )
     [sweep] = [p for p in out.iterdir() if p.is_dir()]
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [".submitit", "0"]
     # It ran as a SLURM job, on this venv's python, and wrote into its Hydra job dir.
@@ -74,17 +96,31 @@ def test_submitit_launcher_preset_runs_two_ranks_in_one_job(slurm: None, tmp_pat
 
 
 def test_sbatch_recipe_runs_two_ranks_in_a_run_dir_named_after_the_job(
-        slurm: None, tmp_path: Path) -> None:
-    proc = run(["sbatch", "--parsable", "--nodes=1", "--cpus-per-task=2",
-                f"--output={tmp_path / 'slurm-%j.out'}",
-                str(ROOT / "scripts" / "slurm" / "multinode.sbatch"), *TINY,
-                f"paths.output_root={tmp_path / 'outputs'}"],
-               timeout=30, env=run_env(NPROC="2", PYTHON=PY), leftovers=None)
+    slurm: None, tmp_path: Path
+) -> None:
+    proc = run(
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=1",
+            "--cpus-per-task=2",
+            f"--output={tmp_path / 'slurm-%j.out'}",
+            str(ROOT / "scripts" / "slurm" / "multinode.sbatch"),
+            *TINY,
+            f"paths.output_root={tmp_path / 'outputs'}",
+        ],
+        timeout=30,
+        env=run_env(NPROC="2", PYTHON=PY),
+        leftovers=None,
+    )
     job_id = proc.stdout.strip().split(";")[0]
     log = tmp_path / f"slurm-{job_id}.out"
     wait_gone(job_id, timeout=120, log=log)
-    runs = [p.name for p in (tmp_path / "outputs").iterdir()] if (
-        tmp_path / "outputs").exists() else []
+    runs = (
+        [p.name for p in (tmp_path / "outputs").iterdir()]
+        if (tmp_path / "outputs").exists()
+        else []
+    )
     assert runs == [job_id], (runs, log.read_text()[-4000:] if log.exists() else "")
     result = assert_both_ranks_trained(tmp_path / "outputs" / job_id)
     assert result["run_id"] == job_id

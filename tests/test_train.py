@@ -45,10 +45,13 @@ def test_in_process_two_ranks(tmp_path: Path) -> None:
     assert "final test accuracy" in proc.stdout
 
 
-@pytest.mark.parametrize("data", [
-    ["data=digits"],  # 359 eval samples: shards of 120, 120, 119
-    ["data=synthetic", "data.size=50", "data.eval_size=7"],  # 3, 2, 2 ... and N < W per rank
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        ["data=digits"],  # 359 eval samples: shards of 120, 120, 119
+        ["data=synthetic", "data.size=50", "data.eval_size=7"],  # 3, 2, 2 ... and N < W per rank
+    ],
+)
 def test_three_ranks_evaluate_exactly_like_one(tmp_path: Path, data: list[str]) -> None:
     one, three = tmp_path / "one", tmp_path / "three"
     run(train_cmd(one, "epochs=0", "logger=none", *data))

@@ -26,8 +26,9 @@ def expected_lists(mode: str, epoch: int) -> list[list[int]]:
         return [[(r * per + j) % N for j in range(per)] for r in range(W)]
     out = []
     for r in range(W):
-        s = DistributedSampler(range(N), num_replicas=W, rank=r, shuffle=True, seed=0,
-                               drop_last=mode == "drop_last")
+        s = DistributedSampler(
+            range(N), num_replicas=W, rank=r, shuffle=True, seed=0, drop_last=mode == "drop_last"
+        )
         s.set_epoch(epoch)
         out.append(list(s))
     return out
@@ -40,9 +41,20 @@ def rows_with(run: OfflineRun, key: str) -> list[dict]:
 @pytest.fixture(scope="module", params=["padded", "drop_last", "sequential"])
 def mode_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp(request.param)
-    run(train_cmd(out, f"sampler={request.param}", "dist.nproc=2", f"epochs={EPOCHS}",
-                  "data=synthetic", f"data.size={N}", "data.eval_size=5", "data.image_size=8",
-                  "batch_size=4", "log_every=1"))
+    run(
+        train_cmd(
+            out,
+            f"sampler={request.param}",
+            "dist.nproc=2",
+            f"epochs={EPOCHS}",
+            "data=synthetic",
+            f"data.size={N}",
+            "data.eval_size=5",
+            "data.image_size=8",
+            "batch_size=4",
+            "log_every=1",
+        )
+    )
     (run_dir,) = run_dirs(out)
     runs = sorted(find_runs(run_dir), key=lambda r: r.config["rank"])
     return request.param, run_dir, runs
@@ -79,8 +91,11 @@ def test_per_epoch_data_matches_the_mode(mode_run) -> None:
 
 def test_duplicates_coverage_and_overlap(mode_run) -> None:
     mode, _, runs = mode_run
-    expect = {"padded": (1.0, 1, [0, 1]), "drop_last": (10 / 11, 0, [0, 0]),
-              "sequential": (1.0, 1, [0, 1])}[mode]
+    expect = {
+        "padded": (1.0, 1, [0, 1]),
+        "drop_last": (10 / 11, 0, [0, 0]),
+        "sequential": (1.0, 1, [0, 1]),
+    }[mode]
     coverage, overlap, dups = expect
     report = rows_with(runs[0], "shards/coverage")
     assert len(report) == EPOCHS
@@ -102,7 +117,8 @@ def test_interval_rows_share_one_step_axis(mode_run) -> None:
         # The JSONL carries the same keys as W&B.
         lines = jsonl(run_dir / f"rank{r}" / "metrics.jsonl")
         assert [x["data/fingerprint"] for x in lines if "data/fingerprint" in x] == [
-            x["data/fingerprint"] for x in rows_with(wb, "data/fingerprint")]
+            x["data/fingerprint"] for x in rows_with(wb, "data/fingerprint")
+        ]
 
 
 def test_rank0_logs_eval_and_picture(mode_run) -> None:
@@ -122,8 +138,7 @@ def test_logger_none_writes_jsonl_only(tmp_path: Path) -> None:
 
 
 def test_multirun_jobs_are_separate_groups(tmp_path: Path) -> None:
-    run(train_cmd(tmp_path, "-m", "dist.nproc=2", "seed=0,1", "epochs=1",
-                  "max_steps_per_epoch=2"))
+    run(train_cmd(tmp_path, "-m", "dist.nproc=2", "seed=0,1", "epochs=1", "max_steps_per_epoch=2"))
     (sweep,) = run_dirs(tmp_path, "multirun")
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
     assert [j.name for j in jobs] == ["0", "1"]
@@ -140,12 +155,19 @@ def test_multirun_jobs_are_separate_groups(tmp_path: Path) -> None:
 
 def test_wandb_that_cannot_go_online_falls_back_to_offline(tmp_path: Path) -> None:
     """No API key and a closed local port as the server: nothing leaves this machine."""
-    env = run_env(WANDB_BASE_URL="http://127.0.0.1:9", HOME=str(tmp_path / "home"),
-                  WANDB_CONFIG_DIR=str(tmp_path / "home"))
+    env = run_env(
+        WANDB_BASE_URL="http://127.0.0.1:9",
+        HOME=str(tmp_path / "home"),
+        WANDB_CONFIG_DIR=str(tmp_path / "home"),
+    )
     env.pop("WANDB_MODE")
     env.pop("WANDB_API_KEY", None)
-    proc = run(train_cmd(tmp_path, "logger.mode=online", "dist.nproc=2", "epochs=1",
-                         "max_steps_per_epoch=2"), env=env)
+    proc = run(
+        train_cmd(
+            tmp_path, "logger.mode=online", "dist.nproc=2", "epochs=1", "max_steps_per_epoch=2"
+        ),
+        env=env,
+    )
     out = proc.stdout + proc.stderr
     for rank in (0, 1):
         assert out.count(f"failed to start on rank {rank}") == 1  # said once

@@ -34,8 +34,15 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _init(run_dir: Path, name: str, config: dict):
-    return wandb.init(mode="offline", dir=run_dir, project="p", group="g", job_type="worker",
-                      name=name, config=config)
+    return wandb.init(
+        mode="offline",
+        dir=run_dir,
+        project="p",
+        group="g",
+        job_type="worker",
+        name=name,
+        config=config,
+    )
 
 
 def _worker_run(run_dir: Path) -> None:

@@ -70,9 +70,13 @@ def _rng_state() -> dict[str, Any]:
     load under ``weights_only=True``."""
     np_state = np.random.get_state()
     py_version, py_state, _ = random.getstate()
-    state = {"torch": torch.get_rng_state().numpy().tobytes(), "python": list(py_state),
-             "python_version": py_version, "numpy": np_state[1].tobytes(),
-             "numpy_pos": int(np_state[2])}
+    state = {
+        "torch": torch.get_rng_state().numpy().tobytes(),
+        "python": list(py_state),
+        "python_version": py_version,
+        "numpy": np_state[1].tobytes(),
+        "numpy_pos": int(np_state[2]),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
     return state
@@ -106,23 +110,39 @@ class Checkpointer:
     enabled: bool
     info: DistInfo
 
-    def payload(self, tr: Trainer, state: TrainState, cfg: DictConfig,
-                wandb_id: str | None) -> dict[str, Any]:
-        mine = {"rng": _rng_state(), "sampler": tr.sampler.state_dict(state.position),
-                "wandb_id": wandb_id}
+    def payload(
+        self, tr: Trainer, state: TrainState, cfg: DictConfig, wandb_id: str | None
+    ) -> dict[str, Any]:
+        mine = {
+            "rng": _rng_state(),
+            "sampler": tr.sampler.state_dict(state.position),
+            "wandb_id": wandb_id,
+        }
         ranks = gather_objects(mine, self.info)
         return {
-            "format": FORMAT_VERSION, "model": tr.module.state_dict(),
-            "optimizer": tr.optimizer.state_dict(), "scheduler": tr.scheduler.state_dict(),
-            "scaler": tr.scaler.state_dict(), "epoch": state.epoch, "step": state.step,
-            "position": state.position, "sampler": [r["sampler"] for r in ranks],
-            "rng": [r["rng"] for r in ranks], "world_size": self.info.world_size,
+            "format": FORMAT_VERSION,
+            "model": tr.module.state_dict(),
+            "optimizer": tr.optimizer.state_dict(),
+            "scheduler": tr.scheduler.state_dict(),
+            "scaler": tr.scaler.state_dict(),
+            "epoch": state.epoch,
+            "step": state.step,
+            "position": state.position,
+            "sampler": [r["sampler"] for r in ranks],
+            "rng": [r["rng"] for r in ranks],
+            "world_size": self.info.world_size,
             "wandb_ids": [r["wandb_id"] for r in ranks],
             "config": OmegaConf.to_yaml(cfg),
         }
 
-    def save(self, tr: Trainer, state: TrainState, cfg: DictConfig, wandb_id: str | None,
-             epoch_end: bool = False) -> Path | None:
+    def save(
+        self,
+        tr: Trainer,
+        state: TrainState,
+        cfg: DictConfig,
+        wandb_id: str | None,
+        epoch_end: bool = False,
+    ) -> Path | None:
         if not self.enabled:
             return None
         payload = self.payload(tr, state, cfg, wandb_id)
@@ -185,8 +205,9 @@ def check_compatible(payload: dict[str, Any], path: Path, info: DistInfo) -> Non
         )
 
 
-def restore(payload: dict[str, Any], path: Path, tr: Trainer, state: TrainState,
-            info: DistInfo) -> None:
+def restore(
+    payload: dict[str, Any], path: Path, tr: Trainer, state: TrainState, info: DistInfo
+) -> None:
     """Put every piece back where it was; refuse a checkpoint this run cannot continue."""
     check_compatible(payload, path, info)
     try:
@@ -209,8 +230,7 @@ def restore(payload: dict[str, Any], path: Path, tr: Trainer, state: TrainState,
             f"checkpoint {path} was written with another amp mode (its GradScaler state does not "
             f"fit this run's); resume with the amp mode it was written with, or resume=never."
         ) from None
-    state.epoch, state.step, state.position = payload["epoch"], payload["step"], payload[
-        "position"]
+    state.epoch, state.step, state.position = payload["epoch"], payload["step"], payload["position"]
     _set_rng_state(payload["rng"][info.rank])
 
 
@@ -251,8 +271,11 @@ class Preemption:
             self._installed[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        log.warning("received %s: checkpointing at the next check (every %d steps) or epoch end",
-                    signal.Signals(signum).name, self.every)
+        log.warning(
+            "received %s: checkpointing at the next check (every %d steps) or epoch end",
+            signal.Signals(signum).name,
+            self.every,
+        )
         self.flag.fill_(1)
 
     def requested(self, step: int) -> bool:
@@ -263,8 +286,9 @@ class Preemption:
             return False
         stop = self._read()
         self._buf.copy_(self.flag)
-        self._pending = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group,
-                                        async_op=True)
+        self._pending = dist.all_reduce(
+            self._buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True
+        )
         return stop
 
     def _read(self) -> bool:

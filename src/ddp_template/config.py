@@ -270,15 +270,25 @@ def validate(cfg: Any) -> None:
     _require(cfg.num_workers >= 0, f"num_workers={cfg.num_workers} must be >= 0.")
     _require(cfg.dist.nproc >= 1, f"dist.nproc={cfg.dist.nproc} must be >= 1.")
     _require(cfg.dist.max_restarts >= 0, f"dist.max_restarts={cfg.dist.max_restarts} must be >= 0.")
-    _require(cfg.dist.start_method in ("spawn", "forkserver", "fork"),
-             f"dist.start_method={cfg.dist.start_method} is not a start method; use spawn.")
-    _require(cfg.max_steps_per_epoch is None or cfg.max_steps_per_epoch >= 1,
-             f"max_steps_per_epoch={cfg.max_steps_per_epoch} must be >= 1 or null.")
-    _require(cfg.checkpoint.every_steps >= 0 and cfg.checkpoint.keep >= 0,
-             "checkpoint.every_steps and checkpoint.keep must be >= 0.")
-    _require(cfg.checkpoint.preempt_check_every >= 1,
-             f"checkpoint.preempt_check_every={cfg.checkpoint.preempt_check_every} must be >= 1.")
-    _require(not (cfg.sampler.mode == "sequential" and cfg.sampler.shuffle),
-             "sampler.shuffle=true contradicts sampler=sequential (contiguous shards, never "
-             "shuffled); set sampler.shuffle=false or pick sampler=padded.")
+    _require(
+        cfg.dist.start_method in ("spawn", "forkserver", "fork"),
+        f"dist.start_method={cfg.dist.start_method} is not a start method; use spawn.",
+    )
+    _require(
+        cfg.max_steps_per_epoch is None or cfg.max_steps_per_epoch >= 1,
+        f"max_steps_per_epoch={cfg.max_steps_per_epoch} must be >= 1 or null.",
+    )
+    _require(
+        cfg.checkpoint.every_steps >= 0 and cfg.checkpoint.keep >= 0,
+        "checkpoint.every_steps and checkpoint.keep must be >= 0.",
+    )
+    _require(
+        cfg.checkpoint.preempt_check_every >= 1,
+        f"checkpoint.preempt_check_every={cfg.checkpoint.preempt_check_every} must be >= 1.",
+    )
+    _require(
+        not (cfg.sampler.mode == "sequential" and cfg.sampler.shuffle),
+        "sampler.shuffle=true contradicts sampler=sequential (contiguous shards, never "
+        "shuffled); set sampler.shuffle=false or pick sampler=padded.",
+    )
     choose_backend(cfg.backend.name)

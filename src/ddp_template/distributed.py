@@ -90,8 +90,13 @@ def _restart_safe_store(world: int, timeout: timedelta) -> dict[str, Any]:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=False, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timeout,
+    )
     return {"store": dist.PrefixStore(f"ddp_template/attempt_{attempt}", store)}
 
 

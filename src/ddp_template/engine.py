@@ -52,9 +52,12 @@ def autocast(mode: str, device: torch.device) -> contextlib.AbstractContextManag
 
 def make_scaler(amp_cfg: Any, device: torch.device) -> torch.amp.GradScaler:
     """A GradScaler that is a no-op unless fp16: one code path for every AMP mode."""
-    return torch.amp.GradScaler(device.type, init_scale=amp_cfg.init_scale,
-                                growth_interval=amp_cfg.growth_interval,
-                                enabled=str(amp_cfg.mode.value) == "fp16")
+    return torch.amp.GradScaler(
+        device.type,
+        init_scale=amp_cfg.init_scale,
+        growth_interval=amp_cfg.growth_interval,
+        enabled=str(amp_cfg.mode.value) == "fp16",
+    )
 
 
 @dataclass
@@ -98,8 +101,11 @@ class EpochStats:
     def as_metrics(self, duplicates: int) -> dict[str, Any]:
         t, compute = self.tally, max(self.wall_s - self.data_wait_s, 0.0)
         return {
-            "data/samples": t.samples, "data/batches": t.batches, "data/duplicates": duplicates,
-            "data/first_index": t.first_index, "data/last_index": t.last_index,
+            "data/samples": t.samples,
+            "data/batches": t.batches,
+            "data/duplicates": duplicates,
+            "data/first_index": t.first_index,
+            "data/last_index": t.last_index,
             "perf/data_wait_s": self.data_wait_s,
             "perf/step_s": compute / t.batches if t.batches else 0.0,
             "perf/samples_per_s": t.samples / self.wall_s if self.wall_s > 0 else 0.0,
@@ -135,8 +141,12 @@ def steps_this_epoch(tr: Trainer, state: TrainState) -> int:
     return remaining
 
 
-def train_one_epoch(tr: Trainer, state: TrainState, on_step: StepHook,
-                    on_interval: Callable[[dict[str, float], int], None]) -> EpochStats:
+def train_one_epoch(
+    tr: Trainer,
+    state: TrainState,
+    on_step: StepHook,
+    on_interval: Callable[[dict[str, float], int], None],
+) -> EpochStats:
     """One pass over this rank's shard from ``state.position``; updates ``state`` in place."""
     tr.model.train()
     stats = EpochStats(IndexTally(keep=tr.keep_indices))
@@ -159,11 +169,15 @@ def train_one_epoch(tr: Trainer, state: TrainState, on_step: StepHook,
         state.position += len(idx)
         if want_norm:
             now = time.perf_counter()
-            on_interval({"train/loss": ((loss_acc - interval_start) / interval_n).item(),
-                         "train/lr": tr.scheduler.get_last_lr()[0],
-                         "train/grad_norm": float(norm),
-                         "perf/interval_samples_per_s": interval_n / (now - interval_t)},
-                        state.step)
+            on_interval(
+                {
+                    "train/loss": ((loss_acc - interval_start) / interval_n).item(),
+                    "train/lr": tr.scheduler.get_last_lr()[0],
+                    "train/grad_norm": float(norm),
+                    "perf/interval_samples_per_s": interval_n / (now - interval_t),
+                },
+                state.step,
+            )
             interval_t, interval_n = now, 0
             interval_start.copy_(loss_acc)
         if on_step(state):

@@ -155,9 +155,15 @@ def launch(fn: Any, cfg: DictConfig, run: RunInfo) -> Any:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=cfg.dist.nproc, run_id=run.run_id,
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=cfg.dist.max_restarts,
-        monitor_interval=0.1, start_method=cfg.dist.start_method,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.dist.nproc,
+        run_id=run.run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=cfg.dist.max_restarts,
+        monitor_interval=0.1,
+        start_method=cfg.dist.start_method,
     )
     os.environ["RUN_ID"] = run.run_id  # workers inherit it: one id, also after restarts
     # The agent logs its own internal traceback for every failed worker; the worker's own

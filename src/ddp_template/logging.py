@@ -65,8 +65,9 @@ class RankLogger:
         if cfg.logger.name == "wandb":
             # W&B's import and service start take ~1 s: overlap them with building the data,
             # model and DDP; the first use of ``self.wandb`` waits for it.
-            self._wandb_thread = threading.Thread(target=self._start_wandb, args=(cfg,),
-                                                  name="wandb-init", daemon=True)
+            self._wandb_thread = threading.Thread(
+                target=self._start_wandb, args=(cfg,), name="wandb-init", daemon=True
+            )
             self._wandb_thread.start()
 
     def wait_ready(self) -> None:
@@ -84,14 +85,26 @@ class RankLogger:
     def _wandb_kwargs(self, cfg: DictConfig) -> dict[str, Any]:
         info, run = self.info, self.run
         config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        config.update(rank=info.rank, local_rank=info.local_rank, world_size=info.world_size,
-                      host=info.host, backend=info.backend or "none",
-                      sampler=str(cfg.sampler.mode.value))
-        return dict(project=cfg.logger.project, entity=cfg.logger.entity,
-                    tags=list(cfg.logger.tags), group=run.run_id,
-                    job_type="main" if info.is_main else "worker",
-                    name=f"{run.run_id}-rank{info.rank}", id=wandb_id(run.run_id, info.rank),
-                    resume="allow", dir=str(self.rank_dir), config=config)
+        config.update(
+            rank=info.rank,
+            local_rank=info.local_rank,
+            world_size=info.world_size,
+            host=info.host,
+            backend=info.backend or "none",
+            sampler=str(cfg.sampler.mode.value),
+        )
+        return dict(
+            project=cfg.logger.project,
+            entity=cfg.logger.entity,
+            tags=list(cfg.logger.tags),
+            group=run.run_id,
+            job_type="main" if info.is_main else "worker",
+            name=f"{run.run_id}-rank{info.rank}",
+            id=wandb_id(run.run_id, info.rank),
+            resume="allow",
+            dir=str(self.rank_dir),
+            config=config,
+        )
 
     def _start_wandb(self, cfg: DictConfig) -> None:
         import wandb
@@ -107,14 +120,21 @@ class RankLogger:
                 error = exc
                 continue
             if error is not None:
-                log.warning("W&B (%s) failed to start on rank %d (%s); logging offline instead",
-                            mode, self.info.rank, str(error).splitlines()[0])
+                log.warning(
+                    "W&B (%s) failed to start on rank %d (%s); logging offline instead",
+                    mode,
+                    self.info.rank,
+                    str(error).splitlines()[0],
+                )
             wb.define_metric("step")
             wb.define_metric("*", step_metric="step")
             self._wandb = wb
             return
-        log.warning("W&B failed to start on rank %d (%s); metrics go to metrics.jsonl only",
-                    self.info.rank, error)
+        log.warning(
+            "W&B failed to start on rank %d (%s); metrics go to metrics.jsonl only",
+            self.info.rank,
+            error,
+        )
 
     @property
     def wandb_id(self) -> str | None:
@@ -129,8 +149,14 @@ class RankLogger:
     def log_sizes(self, splits: Any, step: int) -> None:
         """Rank 0 records the dataset sizes once, next to its eval metrics."""
         if self.info.is_main:
-            self.log({"data/train_size": len(splits.train), "data/eval_size": len(splits.eval),
-                      "data/world_size": self.info.world_size}, step)
+            self.log(
+                {
+                    "data/train_size": len(splits.train),
+                    "data/eval_size": len(splits.eval),
+                    "data/world_size": self.info.world_size,
+                },
+                step,
+            )
 
     def start_epoch(self, epoch: int, total: int) -> None:
         """Rank 0's progress bar (epoch, step, samples/s, loss); other ranks stay quiet."""
@@ -138,8 +164,15 @@ class RankLogger:
             from tqdm import tqdm
 
             # disable=None: a bar on a terminal, nothing in a redirected log or CI output.
-            self.bar = tqdm(total=total, desc=f"epoch {epoch}", unit="step", mininterval=1.0,
-                            dynamic_ncols=True, leave=False, disable=None)
+            self.bar = tqdm(
+                total=total,
+                desc=f"epoch {epoch}",
+                unit="step",
+                mininterval=1.0,
+                dynamic_ncols=True,
+                leave=False,
+                disable=None,
+            )
 
     def step(self) -> None:
         if self.bar is not None:
@@ -148,8 +181,11 @@ class RankLogger:
     def log_interval(self, metrics: dict[str, Any], step: int) -> None:
         self.log(metrics, step)
         if self.bar is not None:
-            self.bar.set_postfix(step=step, loss=f"{metrics['train/loss']:.4f}",
-                                 sps=f"{metrics['perf/interval_samples_per_s']:.0f}")
+            self.bar.set_postfix(
+                step=step,
+                loss=f"{metrics['train/loss']:.4f}",
+                sps=f"{metrics['perf/interval_samples_per_s']:.0f}",
+            )
 
     def end_epoch(self) -> None:
         if self.bar is not None:
@@ -177,13 +213,27 @@ class RankLogger:
             self.log_image("shards/layout", self.run.run_dir / "shards.png")
         if not self.info.is_main:
             return
-        path = write_summary(self.run.run_dir, {
-            "eval_accuracy": result.accuracy, "eval_correct": result.correct,
-            "eval_count": result.count, "eval_loss": result.loss,
-            "train_size": len(splits.train), "eval_size": len(splits.eval),
-            "world_size": self.info.world_size, "steps": steps, "run_id": self.run.run_id})
-        log.info("final test accuracy %.4f (%d/%d) — run dir %s", result.accuracy,
-                 result.correct, result.count, self.run.run_dir)
+        path = write_summary(
+            self.run.run_dir,
+            {
+                "eval_accuracy": result.accuracy,
+                "eval_correct": result.correct,
+                "eval_count": result.count,
+                "eval_loss": result.loss,
+                "train_size": len(splits.train),
+                "eval_size": len(splits.eval),
+                "world_size": self.info.world_size,
+                "steps": steps,
+                "run_id": self.run.run_id,
+            },
+        )
+        log.info(
+            "final test accuracy %.4f (%d/%d) — run dir %s",
+            result.accuracy,
+            result.correct,
+            result.count,
+            self.run.run_dir,
+        )
         log.info("summary: %s", path)
 
     def finish(self, exit_code: int = 0) -> None:
@@ -197,22 +247,35 @@ class RankLogger:
 
 
 def log_eval(logger: RankLogger, result: Any, epoch: int, step: int) -> None:
-    logger.log({"eval/accuracy": result.accuracy, "eval/loss": result.loss,
-                "eval/correct": result.correct, "epoch": epoch}, step)
+    logger.log(
+        {
+            "eval/accuracy": result.accuracy,
+            "eval/loss": result.loss,
+            "eval/correct": result.correct,
+            "epoch": epoch,
+        },
+        step,
+    )
     log.info("epoch %d: eval accuracy %.4f, loss %.4f", epoch, result.accuracy, result.loss)
 
 
 def _epoch_observed(stats: Any, metrics: dict[str, Any], start: int) -> dict[str, Any]:
     """What rank 0 needs from this rank to check its shard (indices only for small N)."""
-    obs = {"samples": stats.tally.samples, "duplicates": metrics["data/duplicates"],
-           "fingerprint": stats.tally.fp, "step_s": metrics["perf/step_s"], "start": start}
+    obs = {
+        "samples": stats.tally.samples,
+        "duplicates": metrics["data/duplicates"],
+        "fingerprint": stats.tally.fp,
+        "step_s": metrics["perf/step_s"],
+        "start": start,
+    }
     if stats.tally.keep:
         obs["indices"] = stats.tally.indices()
     return obs
 
 
-def report_epoch(logger: RankLogger, sampler: Any, stats: Any, start: int, epoch: int,
-                 step: int) -> dict[str, Any] | None:
+def report_epoch(
+    logger: RankLogger, sampler: Any, stats: Any, start: int, epoch: int, step: int
+) -> dict[str, Any] | None:
     """Log this rank's epoch accounting; rank 0 also gathers every rank's and checks them.
 
     ``start`` is the sampler position the epoch began at (non-zero after a mid-epoch resume).
@@ -223,47 +286,68 @@ def report_epoch(logger: RankLogger, sampler: Any, stats: Any, start: int, epoch
 
     end = start + stats.tally.samples
     duplicates = sampler.padding_in_prefix(end) - sampler.padding_in_prefix(start)
-    metrics = {"epoch": epoch, **stats.as_metrics(duplicates),
-               "data/fingerprint": fingerprint_hex(stats.tally.fp)}
+    metrics = {
+        "epoch": epoch,
+        **stats.as_metrics(duplicates),
+        "data/fingerprint": fingerprint_hex(stats.tally.fp),
+    }
     logger.log(metrics, step)
     observed = gather_objects(_epoch_observed(stats, metrics, start), logger.info)
     if not logger.info.is_main:
         return None
-    expected = [expected_fingerprint(sampler, r, o["start"], o["samples"])
-                for r, o in enumerate(observed)]
+    expected = [
+        expected_fingerprint(sampler, r, o["start"], o["samples"]) for r, o in enumerate(observed)
+    ]
     report = shard_report(sampler.mode, sampler.dataset_size, observed, expected)
     _log_report(logger, report, observed, epoch, step)
     return report
 
 
-def _log_report(logger: RankLogger, report: dict[str, Any], observed: list[dict[str, Any]],
-                epoch: int, step: int) -> None:
+def _log_report(
+    logger: RankLogger,
+    report: dict[str, Any],
+    observed: list[dict[str, Any]],
+    epoch: int,
+    step: int,
+) -> None:
     step_times = [o["step_s"] for o in observed]
     slowest = max(range(len(step_times)), key=step_times.__getitem__)
     fastest = min(step_times)
     spread = step_times[slowest] / fastest if fastest > 0 else float("nan")
-    summary = {"shards/verdict_ok": int(report["verdict"] == "ok"),
-               "shards/total_samples": report["total_samples"],
-               "perf/step_s_max_over_min": spread, "perf/slowest_rank": slowest}
+    summary = {
+        "shards/verdict_ok": int(report["verdict"] == "ok"),
+        "shards/total_samples": report["total_samples"],
+        "perf/step_s_max_over_min": spread,
+        "perf/slowest_rank": slowest,
+    }
     for key in ("coverage", "overlap", "repeats"):
         if key in report:
             summary[f"shards/{key}"] = report[key]
     logger.log(summary, step)
     logger.log_table("shards/report", report["ranks"], step)
-    lines = [f"epoch {epoch} shards ({report['mode']}, N={report['dataset_size']}): "
-             f"verdict {report['verdict']}"]
-    lines += [f"  rank {r['rank']}: {r['samples']} samples, {r['duplicates']} padded, "
-              f"fingerprint {r['fingerprint']}{'' if r['matches'] else '  <-- MISMATCH'}"
-              for r in report["ranks"]]
+    lines = [
+        f"epoch {epoch} shards ({report['mode']}, N={report['dataset_size']}): "
+        f"verdict {report['verdict']}"
+    ]
+    lines += [
+        f"  rank {r['rank']}: {r['samples']} samples, {r['duplicates']} padded, "
+        f"fingerprint {r['fingerprint']}{'' if r['matches'] else '  <-- MISMATCH'}"
+        for r in report["ranks"]
+    ]
     if "coverage" in report:
-        lines.append(f"  coverage {report['coverage']:.4f} ({report['covered']} unique), "
-                     f"overlap {report['overlap']}, step time max/min {spread:.2f} "
-                     f"(slowest rank {slowest})")
+        lines.append(
+            f"  coverage {report['coverage']:.4f} ({report['covered']} unique), "
+            f"overlap {report['overlap']}, step time max/min {spread:.2f} "
+            f"(slowest rank {slowest})"
+        )
     log.info("\n".join(lines))
     if report["verdict"] != "ok":
-        log.warning("SHARD MISMATCH in epoch %d: %s — a rank saw data its sampler mode does not "
-                    "define (wrong seed on one rank? missing set_epoch? custom sampler?)",
-                    epoch, report["verdict"])
+        log.warning(
+            "SHARD MISMATCH in epoch %d: %s — a rank saw data its sampler mode does not "
+            "define (wrong seed on one rank? missing set_epoch? custom sampler?)",
+            epoch,
+            report["verdict"],
+        )
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
@@ -292,9 +376,16 @@ def draw_shards_async(sampler: Any, run_dir: Path) -> Any:
         from ddp_template.data.samplers import ShardSampler
         from ddp_template.shard_plot import layout_from_sampler, save_layout_png
 
-        layout = layout_from_sampler(ShardSampler, sampler.dataset_size, sampler.num_replicas,
-                                     sampler.mode, sampler.shuffle, sampler.seed,
-                                     sampler.epoch, sampler.permutation)
+        layout = layout_from_sampler(
+            ShardSampler,
+            sampler.dataset_size,
+            sampler.num_replicas,
+            sampler.mode,
+            sampler.shuffle,
+            sampler.seed,
+            sampler.epoch,
+            sampler.permutation,
+        )
         save_layout_png(run_dir / "shards.png", layout)
 
     thread = threading.Thread(target=draw, name="shards-png", daemon=True)

@@ -17,8 +17,14 @@ from ddp_template.data.datasets import DataInfo
 from ddp_template.errors import ConfigError, instantiate_clean
 
 
-def small_cnn(num_classes: int, in_channels: int, image_size: int, width: int = 32,
-              depth: int = 2, dropout: float = 0.0) -> nn.Module:
+def small_cnn(
+    num_classes: int,
+    in_channels: int,
+    image_size: int,
+    width: int = 32,
+    depth: int = 2,
+    dropout: float = 0.0,
+) -> nn.Module:
     """Conv-BN-ReLU blocks (BN on purpose: it is what SyncBN changes), global pool, linear."""
     if width < 1 or depth < 1:
         raise ConfigError(f"model.width={width} and model.depth={depth} must both be >= 1.")
@@ -26,18 +32,26 @@ def small_cnn(num_classes: int, in_channels: int, image_size: int, width: int = 
     channels = in_channels
     for i in range(depth):
         out = width * 2**i
-        layers += [nn.Conv2d(channels, out, 3, padding=1, bias=False), nn.BatchNorm2d(out),
-                   nn.ReLU(inplace=True)]
+        layers += [
+            nn.Conv2d(channels, out, 3, padding=1, bias=False),
+            nn.BatchNorm2d(out),
+            nn.ReLU(inplace=True),
+        ]
         if i < depth - 1 and image_size >= 2 ** (i + 2):
             layers.append(nn.MaxPool2d(2))
         channels = out
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout),
-               nn.Linear(channels, num_classes)]
+    layers += [
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Dropout(dropout),
+        nn.Linear(channels, num_classes),
+    ]
     return nn.Sequential(*layers)
 
 
-def resnet18(num_classes: int, in_channels: int, image_size: int,
-             zero_init_residual: bool = False) -> nn.Module:
+def resnet18(
+    num_classes: int, in_channels: int, image_size: int, zero_init_residual: bool = False
+) -> nn.Module:
     """torchvision's ResNet-18, with the stem adapted to the data.
 
     Small images (< 64 px, e.g. CIFAR's 32x32) get the usual CIFAR stem: a 3x3 stride-1 first
@@ -70,8 +84,9 @@ class _Adapter(nn.Module):
         return x
 
 
-def torchvision_model(num_classes: int, in_channels: int, image_size: int, name: str,
-                      min_image_size: int = 32) -> nn.Module:
+def torchvision_model(
+    num_classes: int, in_channels: int, image_size: int, name: str, min_image_size: int = 32
+) -> nn.Module:
     """Any torchvision classification model by name, randomly initialised."""
     import torchvision
 
@@ -88,8 +103,12 @@ def torchvision_model(num_classes: int, in_channels: int, image_size: int, name:
 
 def build_model(model_cfg: Any, info: DataInfo) -> nn.Module:
     """Instantiate the ``model`` group's factory with the data's shape and class count."""
-    model = instantiate_clean(model_cfg, num_classes=info.num_classes,
-                              in_channels=info.in_channels, image_size=info.image_size)
+    model = instantiate_clean(
+        model_cfg,
+        num_classes=info.num_classes,
+        in_channels=info.in_channels,
+        image_size=info.image_size,
+    )
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"model._target_={model_cfg.get('_target_')} returned {type(model).__name__}; a "

@@ -15,8 +15,10 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     """No weight decay on biases and norm parameters (1-d tensors), the usual recipe."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 def build_optimizer(cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
@@ -24,15 +26,17 @@ def build_optimizer(cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
         raise ConfigError(f"optim.lr={cfg.lr} must be positive; try optim.lr=0.1 for sgd.")
     groups = _param_groups(model, cfg.weight_decay)
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
-                               nesterov=cfg.nesterov and cfg.momentum > 0)
+        return torch.optim.SGD(
+            groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0
+        )
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
     raise ConfigError(f"optim.name={cfg.name} is unknown; use optim=sgd or optim=adamw.")
 
 
-def build_scheduler(cfg: Any, optimizer: torch.optim.Optimizer,
-                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    cfg: Any, optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Per-step schedule: linear warm-up, then cosine to zero (or constant with ``none``)."""
     warmup, cosine = cfg.warmup_steps, cfg.schedule == "cosine"
 

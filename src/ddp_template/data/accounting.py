@@ -92,8 +92,9 @@ class IndexTally:
         return np.concatenate(self.kept) if self.kept else np.zeros(0, dtype=np.int64)
 
 
-def expected_fingerprint(sampler: Any, rank: int, start: int, count: int,
-                         block: int = 1 << 20) -> int:
+def expected_fingerprint(
+    sampler: Any, rank: int, start: int, count: int, block: int = 1 << 20
+) -> int:
     """Fingerprint of positions ``[start, start+count)`` of ``rank``'s list as the mode defines
     it, computed in blocks: O(count) time, O(block) memory, whatever N is."""
     total = 0
@@ -103,8 +104,9 @@ def expected_fingerprint(sampler: Any, rank: int, start: int, count: int,
     return total
 
 
-def shard_report(mode: str, dataset_size: int, observed: list[dict[str, Any]],
-                 expected: list[int]) -> dict[str, Any]:
+def shard_report(
+    mode: str, dataset_size: int, observed: list[dict[str, Any]], expected: list[int]
+) -> dict[str, Any]:
     """Rank 0's verdict on one epoch: did every rank see what its sampler mode defines?
 
     ``observed[r]`` holds rank r's ``samples``, ``duplicates``, ``fingerprint`` (int) and,
@@ -117,10 +119,21 @@ def shard_report(mode: str, dataset_size: int, observed: list[dict[str, Any]],
         ok = expected[r] == o["fingerprint"]
         if not ok:
             problems.append(f"rank {r} saw indices that differ from its {mode} shard")
-        rows.append({"rank": r, "samples": int(o["samples"]), "duplicates": int(o["duplicates"]),
-                     "fingerprint": fingerprint_hex(o["fingerprint"]), "matches": ok})
-    report: dict[str, Any] = {"mode": mode, "dataset_size": dataset_size, "ranks": rows,
-                              "total_samples": sum(row["samples"] for row in rows)}
+        rows.append(
+            {
+                "rank": r,
+                "samples": int(o["samples"]),
+                "duplicates": int(o["duplicates"]),
+                "fingerprint": fingerprint_hex(o["fingerprint"]),
+                "matches": ok,
+            }
+        )
+    report: dict[str, Any] = {
+        "mode": mode,
+        "dataset_size": dataset_size,
+        "ranks": rows,
+        "total_samples": sum(row["samples"] for row in rows),
+    }
     if all("indices" in o for o in observed):
         report.update(_coverage(dataset_size, [o["indices"] for o in observed]))
     report["verdict"] = "ok" if not problems else "MISMATCH: " + "; ".join(problems)
@@ -136,6 +149,9 @@ def _coverage(n: int, per_rank: list[np.ndarray]) -> dict[str, Any]:
         np.add.at(counts, idx, 1)
         owners[uniq] += 1
     covered = int((counts > 0).sum())
-    return {"coverage": covered / n if n else 0.0, "covered": covered,
-            "overlap": int((owners > 1).sum()),
-            "repeats": int(counts.sum() - covered)}
+    return {
+        "coverage": covered / n if n else 0.0,
+        "covered": covered,
+        "overlap": int((owners > 1).sum()),
+        "repeats": int(counts.sum() - covered),
+    }

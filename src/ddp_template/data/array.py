@@ -54,16 +54,20 @@ from ddp_template.data.datasets import DataInfo, IndexedTensors, Splits
 from ddp_template.errors import ConfigError
 
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
-_HELP = ("point data.path at a .npz with x_train, y_train, x_test, y_test, or at a folder "
-         "holding train.csv and test.csv (integer label first, then the features)")
+_HELP = (
+    "point data.path at a .npz with x_train, y_train, x_test, y_test, or at a folder "
+    "holding train.csv and test.csv (integer label first, then the features)"
+)
 
 
 def array_dataset(path: str, image_shape: list[int] | None = None) -> Splits:
     """Load a .npz file or a train.csv/test.csv folder into indexed tensor splits."""
     root = Path(path).expanduser()
     if root.is_dir():
-        arrays = {**_read_csv(root / "train.csv", path, "train"),
-                  **_read_csv(root / "test.csv", path, "test")}
+        arrays = {
+            **_read_csv(root / "train.csv", path, "train"),
+            **_read_csv(root / "test.csv", path, "test"),
+        }
     elif root.is_file() and root.suffix == ".npz":
         arrays = _read_npz(root, path)
     else:
@@ -80,8 +84,9 @@ def array_dataset(path: str, image_shape: list[int] | None = None) -> Splits:
     labels = torch.cat([ys["train"], ys["test"]])
     num_classes = int(labels.max()) + 1 if labels.numel() else 1  # empty: check_sizes refuses
     info = DataInfo(num_classes=num_classes, in_channels=channels, image_size=height)
-    return Splits(IndexedTensors(xs["train"], ys["train"]),
-                  IndexedTensors(xs["test"], ys["test"]), info)
+    return Splits(
+        IndexedTensors(xs["train"], ys["train"]), IndexedTensors(xs["test"], ys["test"]), info
+    )
 
 
 def _read_npz(file: Path, path: str) -> dict[str, np.ndarray]:
@@ -131,8 +136,9 @@ def _check_image_shape(image_shape: list[int] | None) -> tuple[int, int, int] | 
     return shape  # type: ignore[return-value]
 
 
-def _to_images(x: np.ndarray, shape: tuple[int, int, int] | None, path: str,
-               split: str) -> torch.Tensor:
+def _to_images(
+    x: np.ndarray, shape: tuple[int, int, int] | None, path: str, split: str
+) -> torch.Tensor:
     """Reshape one split's features to (N, C, H, W) floats; see the module docstring."""
     if x.ndim < 2 or not np.issubdtype(x.dtype, np.number):
         raise ConfigError(

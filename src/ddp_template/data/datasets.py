@@ -101,8 +101,16 @@ class SyntheticImages(Dataset):
     can be 1e8 or more; the same index always gives the same sample on every rank.
     """
 
-    def __init__(self, size: int, split: int, channels: int, image_size: int,
-                 num_classes: int, noise: float, seed: int) -> None:
+    def __init__(
+        self,
+        size: int,
+        split: int,
+        channels: int,
+        image_size: int,
+        num_classes: int,
+        noise: float,
+        seed: int,
+    ) -> None:
         self.size, self.split, self.noise, self.seed = size, split, noise, seed
         self.num_classes = num_classes
         gen = torch.Generator().manual_seed(seed)
@@ -123,11 +131,23 @@ class SyntheticImages(Dataset):
         return x, y, i
 
 
-def synthetic(size: int = 4096, eval_size: int = 1024, channels: int = 3, image_size: int = 32,
-              num_classes: int = 10, noise: float = 1.0, seed: int = 0) -> Splits:
+def synthetic(
+    size: int = 4096,
+    eval_size: int = 1024,
+    channels: int = 3,
+    image_size: int = 32,
+    num_classes: int = 10,
+    noise: float = 1.0,
+    seed: int = 0,
+) -> Splits:
     """Synthetic classification data; training and evaluation use disjoint sample streams."""
-    for key, value in (("size", size), ("eval_size", eval_size), ("num_classes", num_classes),
-                       ("channels", channels), ("image_size", image_size)):
+    for key, value in (
+        ("size", size),
+        ("eval_size", eval_size),
+        ("num_classes", num_classes),
+        ("channels", channels),
+        ("image_size", image_size),
+    ):
         if value < 1:
             raise ConfigError(f"data.{key}={value} must be at least 1.")
     args = (channels, image_size, num_classes, noise, seed)
@@ -135,8 +155,14 @@ def synthetic(size: int = 4096, eval_size: int = 1024, channels: int = 3, image_
     return Splits(SyntheticImages(size, 0, *args), SyntheticImages(eval_size, 1, *args), info)
 
 
-def _torchvision_splits(cls_name: str, root: str, download: bool, info: DataInfo,
-                        mean: tuple[float, ...], std: tuple[float, ...]) -> Splits:
+def _torchvision_splits(
+    cls_name: str,
+    root: str,
+    download: bool,
+    info: DataInfo,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+) -> Splits:
     import torchvision
     from torchvision import transforms
 
@@ -158,8 +184,9 @@ def _torchvision_splits(cls_name: str, root: str, download: bool, info: DataInfo
 def cifar10(root: str = "data", download: bool = True) -> Splits:
     """CIFAR-10 via torchvision (50k/10k, 3x32x32, 10 classes)."""
     info = DataInfo(num_classes=10, in_channels=3, image_size=32)
-    return _torchvision_splits("CIFAR10", root, download, info,
-                               (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+    return _torchvision_splits(
+        "CIFAR10", root, download, info, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+    )
 
 
 def mnist(root: str = "data", download: bool = True) -> Splits:
@@ -179,8 +206,9 @@ def imagefolder(path: str, image_size: int = 64) -> Splits:
                 f"data.path={path} has no '{split}/' folder; point data.path at a folder holding "
                 f"train/<class>/ and val/<class>/ image folders."
             )
-    tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size),
-                             transforms.ToTensor()])
+    tf = transforms.Compose(
+        [transforms.Resize(image_size), transforms.CenterCrop(image_size), transforms.ToTensor()]
+    )
     train = datasets.ImageFolder(root / "train", transform=tf)
     val = datasets.ImageFolder(root / "val", transform=tf)
     if train.classes != val.classes:

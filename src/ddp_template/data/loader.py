@@ -32,8 +32,9 @@ def init_worker(worker_id: int, rank_pid: int) -> None:
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
-    threading.Thread(target=_exit_when_gone, args=(rank_pid,), name="rank-watchdog",
-                     daemon=True).start()
+    threading.Thread(
+        target=_exit_when_gone, args=(rank_pid,), name="rank-watchdog", daemon=True
+    ).start()
 
 
 def _exit_when_gone(pid: int) -> None:
@@ -77,33 +78,52 @@ def _loader_kwargs(num_workers: int, device: torch.device) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": device.type == "cuda"}
     if num_workers > 0:
         # Workers persist across epochs: with forkserver each start imports torch (~1 s).
-        kwargs.update(worker_init_fn=functools.partial(init_worker, rank_pid=os.getpid()),
-                      persistent_workers=True, prefetch_factor=4,
-                      multiprocessing_context=_worker_start_method())
+        kwargs.update(
+            worker_init_fn=functools.partial(init_worker, rank_pid=os.getpid()),
+            persistent_workers=True,
+            prefetch_factor=4,
+            multiprocessing_context=_worker_start_method(),
+        )
     return kwargs
 
 
 def build_train_sampler(dataset: Dataset, cfg: Any, info: DistInfo) -> ShardSampler:
     seed = cfg.seed if cfg.sampler.seed is None else cfg.sampler.seed
-    return ShardSampler(dataset, num_replicas=info.world_size, rank=info.rank,
-                        shuffle=cfg.sampler.shuffle, seed=seed, mode=str(cfg.sampler.mode.value),
-                        permutation=str(cfg.sampler.permutation.value))
+    return ShardSampler(
+        dataset,
+        num_replicas=info.world_size,
+        rank=info.rank,
+        shuffle=cfg.sampler.shuffle,
+        seed=seed,
+        mode=str(cfg.sampler.mode.value),
+        permutation=str(cfg.sampler.permutation.value),
+    )
 
 
-def build_train_loader(dataset: Dataset, sampler: ShardSampler, cfg: Any,
-                       info: DistInfo) -> DataLoader:
+def build_train_loader(
+    dataset: Dataset, sampler: ShardSampler, cfg: Any, info: DistInfo
+) -> DataLoader:
     generator = torch.Generator()
     generator.manual_seed(worker_seed(cfg.seed, info.rank, 0))
-    return DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler,
-                      drop_last=cfg.sampler.drop_last_batch, generator=generator,
-                      **_loader_kwargs(cfg.num_workers, info.device))
+    return DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        drop_last=cfg.sampler.drop_last_batch,
+        generator=generator,
+        **_loader_kwargs(cfg.num_workers, info.device),
+    )
 
 
 def build_eval_loader(dataset: Dataset, cfg: Any, info: DistInfo) -> DataLoader:
     """Contiguous, unpadded shards: no sample is evaluated twice (DESIGN.md §4)."""
     sampler = EvalShardSampler(dataset, num_replicas=info.world_size, rank=info.rank)
-    return DataLoader(dataset, batch_size=cfg.eval_batch_size, sampler=sampler,
-                      **_loader_kwargs(cfg.num_workers, info.device))
+    return DataLoader(
+        dataset,
+        batch_size=cfg.eval_batch_size,
+        sampler=sampler,
+        **_loader_kwargs(cfg.num_workers, info.device),
+    )
 
 
 def worker_seed(seed: int, rank: int, epoch: int) -> int:
