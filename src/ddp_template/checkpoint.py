@@ -1,4 +1,4 @@
-"""Atomic checkpoints, resume, and preemption (SIGTERM/SIGUSR1 → checkpoint → requeue).
+"""Atomic checkpoints and resume: the newest valid checkpoint, restored bit-identically.
 
 A checkpoint holds everything an uninterrupted run would still have in memory: weights,
 optimizer, schedule, GradScaler, the step and the sampler position within the epoch, and the
@@ -13,16 +13,15 @@ import logging
 import os
 import random
 import re
-import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 
+from ddp_template.config import CheckpointConfig
 from ddp_template.distributed import DistInfo, broadcast_object, gather_objects
 from ddp_template.engine import Trainer, TrainState
 from ddp_template.errors import ConfigError
@@ -95,29 +94,32 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(_bytes_tensor(state["cuda"]))
 
 
+class Found(NamedTuple):
+    """A checkpoint chosen for resuming, already loaded."""
+
+    path: Path
+    payload: dict[str, Any]
+
+
 def _epoch_number(path: Path) -> int:
     m = re.fullmatch(r"epoch_(\d+)\.pt", path.name)
     return int(m.group(1)) if m else -1
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Checkpointer:
-    """Rank 0 writes; every rank contributes its RNG state (a collective: call on all ranks)."""
+    """Built once with what it saves; rank 0 writes and every rank contributes its RNG state
+    and sampler position (``save`` is a collective: call it on all ranks)."""
 
     directory: Path
-    every_steps: int
-    keep: int
-    enabled: bool
+    cfg: CheckpointConfig
+    trainer: Trainer
+    config_yaml: str  # the resolved config, stored for the record
     info: DistInfo
 
-    def payload(
-        self, tr: Trainer, state: TrainState, cfg: DictConfig, wandb_id: str | None
-    ) -> dict[str, Any]:
-        mine = {
-            "rng": _rng_state(),
-            "sampler": tr.sampler.state_dict(state.position),
-            "wandb_id": wandb_id,
-        }
+    def payload(self, state: TrainState) -> dict[str, Any]:
+        tr = self.trainer
+        mine = {"rng": _rng_state(), "sampler": tr.sampler.state_dict(state.position)}
         ranks = gather_objects(mine, self.info)
         return {
             "format": FORMAT_VERSION,
@@ -131,25 +133,17 @@ class Checkpointer:
             "sampler": [r["sampler"] for r in ranks],
             "rng": [r["rng"] for r in ranks],
             "world_size": self.info.world_size,
-            "wandb_ids": [r["wandb_id"] for r in ranks],
-            "config": OmegaConf.to_yaml(cfg),
+            "config": self.config_yaml,
         }
 
-    def save(
-        self,
-        tr: Trainer,
-        state: TrainState,
-        cfg: DictConfig,
-        wandb_id: str | None,
-        epoch_end: bool = False,
-    ) -> Path | None:
-        if not self.enabled:
+    def save(self, state: TrainState, epoch_end: bool = False) -> Path | None:
+        if not self.cfg.enabled:
             return None
-        payload = self.payload(tr, state, cfg, wandb_id)
+        payload = self.payload(state)
         path = self.directory / "last.pt"
         if self.info.is_main:
             save_atomic(payload, path)
-            if epoch_end and self.keep > 0:
+            if epoch_end and self.cfg.keep > 0:
                 save_atomic(payload, self.directory / f"epoch_{state.epoch}.pt")
                 self._prune()
         if self.info.distributed:
@@ -157,11 +151,12 @@ class Checkpointer:
         return path
 
     def due(self, step: int) -> bool:
-        return self.enabled and self.every_steps > 0 and step % self.every_steps == 0
+        every = self.cfg.every_steps
+        return self.cfg.enabled and every > 0 and step % every == 0
 
     def _prune(self) -> None:
         epochs = sorted(self.directory.glob("epoch_*.pt"), key=_epoch_number)
-        for old in epochs[: max(0, len(epochs) - self.keep)]:
+        for old in epochs[: max(0, len(epochs) - self.cfg.keep)]:
             old.unlink()
 
 
@@ -172,7 +167,7 @@ def candidates(directory: Path) -> list[Path]:
     return ([last] if last.exists() else []) + epochs
 
 
-def find_resume(resume: str, directory: Path) -> tuple[Path, dict[str, Any]] | None:
+def find_resume(resume: str, directory: Path) -> Found | None:
     """The checkpoint to resume from, already loaded; damaged ones are reported and skipped.
 
     ``never``: start fresh. ``auto``: the newest valid checkpoint in the run directory, or
@@ -187,10 +182,10 @@ def find_resume(resume: str, directory: Path) -> tuple[Path, dict[str, Any]] | N
                 f"resume={resume} is not a file; give a checkpoint path, resume=auto or "
                 f"resume=never."
             )
-        return path, load(path)
+        return Found(path, load(path))
     for path in candidates(directory):
         try:
-            return path, load(path)
+            return Found(path, load(path))
         except ConfigError as exc:
             log.warning("%s Trying an older checkpoint.", exc)
     return None
@@ -205,10 +200,9 @@ def check_compatible(payload: dict[str, Any], path: Path, info: DistInfo) -> Non
         )
 
 
-def restore(
-    payload: dict[str, Any], path: Path, tr: Trainer, state: TrainState, info: DistInfo
-) -> None:
+def restore(found: Found, tr: Trainer, state: TrainState, info: DistInfo) -> None:
     """Put every piece back where it was; refuse a checkpoint this run cannot continue."""
+    payload, path = found.payload, found.path
     check_compatible(payload, path, info)
     try:
         tr.sampler.load_state_dict(payload["sampler"][info.rank])
@@ -234,80 +228,12 @@ def restore(
     _set_rng_state(payload["rng"][info.rank])
 
 
-def resume_rank0(resume: str, directory: Path, info: DistInfo) -> tuple[Path, dict] | None:
+def resume_rank0(resume: str, directory: Path, info: DistInfo) -> Found | None:
     """Rank 0 picks the checkpoint and every rank loads that same file (no split decisions)."""
     found = find_resume(resume, directory) if info.is_main else None
-    chosen = broadcast_object(str(found[0]) if found else None, info)
+    chosen = broadcast_object(str(found.path) if found else None, info)
     if chosen is None:
         return None
     if found is not None:
         return found
-    return Path(chosen), load(Path(chosen))
-
-
-class Preemption:
-    """SIGTERM/SIGUSR1 set a flag; all ranks agree to stop at the same step boundary.
-
-    Every ``every`` steps the flag is all-reduced asynchronously and the previous reduce is
-    read: no step waits on it, and every rank sees the same answer at the same step, so a signal
-    stops the run within 2 x ``every`` steps (and at the latest at the epoch end, where
-    :meth:`sync` reads it with a blocking reduce). Not every step: on gloo one extra collective
-    per step cost ~10 % of a small model's throughput (benchmarks/overhead_results.md).
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self, info: DistInfo, every: int = 10) -> None:
-        self.info, self.every = info, max(1, every)
-        # A CPU-side gloo group even under nccl: reading the flag then never syncs the GPU.
-        self.group = None
-        if info.backend == "nccl":
-            self.group = dist.new_group(backend="gloo")
-        self.flag = torch.zeros(1, dtype=torch.int32)
-        self._pending: Any = None
-        self._buf = torch.zeros(1, dtype=torch.int32)
-        self._installed: dict[int, Any] = {}
-        for sig in self.SIGNALS:
-            self._installed[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        log.warning(
-            "received %s: checkpointing at the next check (every %d steps) or epoch end",
-            signal.Signals(signum).name,
-            self.every,
-        )
-        self.flag.fill_(1)
-
-    def requested(self, step: int) -> bool:
-        """Called after every step on every rank; collective only every ``every`` steps."""
-        if not self.info.distributed:
-            return bool(self.flag.item())
-        if step % self.every:
-            return False
-        stop = self._read()
-        self._buf.copy_(self.flag)
-        self._pending = dist.all_reduce(
-            self._buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True
-        )
-        return stop
-
-    def _read(self) -> bool:
-        if self._pending is None:
-            return False
-        self._pending.wait()
-        self._pending = None
-        return bool(self._buf.item())
-
-    def sync(self) -> bool:
-        """A blocking agreement (epoch ends): did any rank get a signal by now?"""
-        if not self.info.distributed:
-            return bool(self.flag.item())
-        self._read()
-        self._buf.copy_(self.flag)
-        dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(self._buf.item())
-
-    def close(self) -> None:
-        self._read()  # no collective left in flight
-        for sig, old in self._installed.items():
-            signal.signal(sig, old)
+    return Found(Path(chosen), load(Path(chosen)))

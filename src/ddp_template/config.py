@@ -19,39 +19,62 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
-class SamplerMode(str, Enum):
+class Choice(str, Enum):
+    """A closed set of choices; ``str(choice)`` is its plain value (what builders pass on)."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+
+class SamplerMode(Choice):
     padded = "padded"
     drop_last = "drop_last"
     sequential = "sequential"
 
 
-class Permutation(str, Enum):
+class Permutation(Choice):
     auto = "auto"
     randperm = "randperm"
     feistel = "feistel"
 
 
-class BackendName(str, Enum):
+class BackendName(Choice):
     auto = "auto"
     gloo = "gloo"
     nccl = "nccl"
 
 
-class AmpMode(str, Enum):
+class AmpMode(Choice):
     off = "off"
     bf16 = "bf16"
     fp16 = "fp16"
 
 
-class Schedule(str, Enum):
+class Schedule(Choice):
     none = "none"
     cosine = "cosine"
 
 
-class WandbMode(str, Enum):
+class OptimName(Choice):
+    sgd = "sgd"
+    adamw = "adamw"
+
+
+class LoggerName(Choice):
+    wandb = "wandb"
+    none = "none"
+
+
+class WandbMode(Choice):
     offline = "offline"
     online = "online"
     disabled = "disabled"
+
+
+class StartMethod(Choice):
+    spawn = "spawn"
+    forkserver = "forkserver"
+    fork = "fork"
 
 
 @dataclass
@@ -145,7 +168,7 @@ class ArrayConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "sgd"
+    name: OptimName = OptimName.sgd
     lr: float = 0.1
     weight_decay: float = 5e-4
     momentum: float = 0.9  # sgd
@@ -158,7 +181,7 @@ class OptimConfig:
 
 @dataclass
 class LoggerConfig:
-    name: str = "wandb"  # wandb | none
+    name: LoggerName = LoggerName.wandb
     mode: WandbMode = WandbMode.offline
     project: str = "ddp-template"
     entity: str | None = None
@@ -169,7 +192,7 @@ class LoggerConfig:
 class DistConfig:
     nproc: int = 1  # ranks started in-process when no outer launcher (torchrun, SLURM) is used
     max_restarts: int = 0  # elastic restarts of all workers after a failure (like torchrun's)
-    start_method: str = "spawn"
+    start_method: StartMethod = StartMethod.spawn
 
 
 @dataclass
@@ -251,44 +274,3 @@ def register_configs() -> None:
     for group, schemas in groups.items():
         for name, node in schemas.items():
             cs.store(group=group, name=name, node=node)
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        from ddp_template.errors import ConfigError
-
-        raise ConfigError(message)
-
-
-def validate(cfg: Any) -> None:
-    """Meaning beyond types, checked at startup before any process group exists."""
-    from ddp_template.distributed import choose_backend
-
-    for key in ("batch_size", "eval_batch_size", "log_every"):
-        _require(cfg[key] >= 1, f"{key}={cfg[key]} must be >= 1; e.g. {key}=32.")
-    _require(cfg.epochs >= 0, f"epochs={cfg.epochs} must be >= 0 (0 only evaluates).")
-    _require(cfg.num_workers >= 0, f"num_workers={cfg.num_workers} must be >= 0.")
-    _require(cfg.dist.nproc >= 1, f"dist.nproc={cfg.dist.nproc} must be >= 1.")
-    _require(cfg.dist.max_restarts >= 0, f"dist.max_restarts={cfg.dist.max_restarts} must be >= 0.")
-    _require(
-        cfg.dist.start_method in ("spawn", "forkserver", "fork"),
-        f"dist.start_method={cfg.dist.start_method} is not a start method; use spawn.",
-    )
-    _require(
-        cfg.max_steps_per_epoch is None or cfg.max_steps_per_epoch >= 1,
-        f"max_steps_per_epoch={cfg.max_steps_per_epoch} must be >= 1 or null.",
-    )
-    _require(
-        cfg.checkpoint.every_steps >= 0 and cfg.checkpoint.keep >= 0,
-        "checkpoint.every_steps and checkpoint.keep must be >= 0.",
-    )
-    _require(
-        cfg.checkpoint.preempt_check_every >= 1,
-        f"checkpoint.preempt_check_every={cfg.checkpoint.preempt_check_every} must be >= 1.",
-    )
-    _require(
-        not (cfg.sampler.mode == "sequential" and cfg.sampler.shuffle),
-        "sampler.shuffle=true contradicts sampler=sequential (contiguous shards, never "
-        "shuffled); set sampler.shuffle=false or pick sampler=padded.",
-    )
-    choose_backend(cfg.backend.name)

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddp_template.config import BackendConfig
 from ddp_template.errors import ConfigError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DistInfo:
     rank: int
     local_rank: int
@@ -49,7 +50,7 @@ def env_rank() -> int:
 
 def choose_backend(name: str) -> str:
     """Resolve ``auto`` and refuse ``nccl`` where it cannot run, before any process group."""
-    name = str(getattr(name, "value", name))
+    name = str(name)
     cuda = torch.cuda.is_available()
     if name == "auto":
         return "nccl" if cuda else "gloo"
@@ -100,25 +101,42 @@ def _restart_safe_store(world: int, timeout: timedelta) -> dict[str, Any]:
     return {"store": dist.PrefixStore(f"ddp_template/attempt_{attempt}", store)}
 
 
-def setup(backend_name: str, timeout_s: int = 600) -> DistInfo:
-    """Join the process group described by the environment; a plain process joins none."""
+def setup(cfg: BackendConfig) -> DistInfo:
+    """The ``backend`` group's builder: join the process group the environment describes (a
+    plain process joins none), on the device this rank owns."""
     host = socket.gethostname()
     if not launched_by_torchrun():
-        device = choose_device(choose_backend(backend_name), 0)
-        return DistInfo(0, 0, 1, 1, None, device, host)
+        device = choose_device(choose_backend(cfg.name), 0)
+        return DistInfo(
+            rank=0,
+            local_rank=0,
+            world_size=1,
+            local_world_size=1,
+            backend=None,
+            device=device,
+            host=host,
+        )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    backend = choose_backend(backend_name)
+    backend = choose_backend(cfg.name)
     device = choose_device(backend, local_rank)
     _share_cpu_threads(local_world)
-    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=cfg.timeout_s)}
     kwargs.update(_restart_safe_store(world, kwargs["timeout"]))
     if device.type == "cuda":
         kwargs["device_id"] = device  # binds NCCL to this GPU and avoids a lazy guess
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
-    return DistInfo(rank, local_rank, world, local_world, backend, device, host)
+    return DistInfo(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        backend=backend,
+        device=device,
+        host=host,
+    )
 
 
 def teardown() -> None:

@@ -7,57 +7,18 @@ just to print. Every batch carries its dataset indices, which feed the rank's In
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddp_template.amp import autocast
 from ddp_template.data.accounting import IndexTally
 from ddp_template.distributed import DistInfo, all_reduce_sum
-from ddp_template.errors import ConfigError
-
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def check_amp(mode: str, device: torch.device) -> None:
-    """Refuse an AMP mode this device/build cannot run, at startup rather than mid-run."""
-    if mode == "off":
-        return
-    dtype = AMP_DTYPES[mode]
-    try:
-        with torch.autocast(device.type, dtype=dtype):
-            probe = torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
-        if probe.dtype != dtype:
-            raise RuntimeError(f"autocast produced {probe.dtype}")
-        if mode == "fp16":
-            torch.amp.GradScaler(device.type)
-    except Exception as exc:
-        fix = "use amp=off" if mode == "bf16" else "use amp=bf16 or amp=off"
-        raise ConfigError(
-            f"amp.mode={mode} is not supported on {device.type} with torch {torch.__version__} "
-            f"({exc}); {fix}."
-        ) from exc
-
-
-def autocast(mode: str, device: torch.device) -> contextlib.AbstractContextManager:
-    if mode == "off":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=AMP_DTYPES[mode])
-
-
-def make_scaler(amp_cfg: Any, device: torch.device) -> torch.amp.GradScaler:
-    """A GradScaler that is a no-op unless fp16: one code path for every AMP mode."""
-    return torch.amp.GradScaler(
-        device.type,
-        init_scale=amp_cfg.init_scale,
-        growth_interval=amp_cfg.growth_interval,
-        enabled=str(amp_cfg.mode.value) == "fp16",
-    )
 
 
 @dataclass
@@ -69,7 +30,7 @@ class TrainState:
     position: int = 0  # this rank's samples consumed in the current epoch
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Trainer:
     model: nn.Module  # the DDP-wrapped model (or the plain one in a single process)
     optimizer: torch.optim.Optimizer
@@ -116,7 +77,12 @@ class EpochStats:
 StepHook = Callable[[TrainState], bool]  # returns True to stop at this step boundary
 
 
-def _step(tr: Trainer, x: torch.Tensor, y: torch.Tensor, want_norm: bool) -> tuple[Any, Any]:
+class StepOut(NamedTuple):
+    loss: torch.Tensor  # detached, on the device: read it only when logging
+    grad_norm: torch.Tensor | None  # only when clipping or logging this step
+
+
+def _step(tr: Trainer, x: torch.Tensor, y: torch.Tensor, want_norm: bool) -> StepOut:
     with autocast(tr.amp_mode, tr.info.device):
         loss = F.cross_entropy(tr.model(x), y)
     tr.scaler.scale(loss).backward()
@@ -129,7 +95,7 @@ def _step(tr: Trainer, x: torch.Tensor, y: torch.Tensor, want_norm: bool) -> tup
     tr.scaler.update()
     tr.optimizer.zero_grad(set_to_none=True)
     tr.scheduler.step()
-    return loss.detach(), norm
+    return StepOut(loss.detach(), norm)
 
 
 def steps_this_epoch(tr: Trainer, state: TrainState) -> int:

@@ -9,19 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any
 
-from ddp_template.errors import ConfigError
-
-
-def check(fault: Any) -> None:
-    if fault.signal is not None and not hasattr(signal, str(fault.signal)):
-        raise ConfigError(
-            f"fault.signal={fault.signal} is not a signal name; use e.g. SIGTERM, SIGUSR1, SIGKILL."
-        )
+from ddp_template.config import FaultConfig
 
 
-def maybe_fire(fault: Any, step: int, rank: int) -> None:
+def maybe_fire(fault: FaultConfig, step: int, rank: int) -> None:
     """Called after every optimizer step on every rank."""
     if fault.crash_at_step is None or step != fault.crash_at_step or rank != fault.rank:
         return

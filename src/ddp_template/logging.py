@@ -1,4 +1,4 @@
-"""Rank-aware logs: console and file, per-rank JSONL, and one W&B run per rank.
+"""The metrics sink: console and file, per-rank JSONL, and one W&B run per rank.
 
 Every rank writes ``<run_dir>/rank<r>/metrics.jsonl`` (always) and, with ``logger=wandb``,
 its own W&B run in ``<run_dir>/rank<r>/wandb`` grouped by the run id. The same keys go to both.
@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
+from ddp_template.config import LoggerConfig, LoggerName
 from ddp_template.distributed import DistInfo
-from ddp_template.launch import RunInfo
+from ddp_template.run_identity import RunInfo
+from ddp_template.wandb_run import start_wandb
 
 log = logging.getLogger("ddp_template")
 
@@ -46,15 +45,13 @@ def setup_console(info: DistInfo, run_dir: Path) -> None:
             h.setLevel(logging.INFO if info.is_main else logging.WARNING)
 
 
-def wandb_id(run_id: str, rank: int) -> str:
-    """Deterministic per-rank W&B id: a resumed run continues the same W&B runs."""
-    return re.sub(r"[^A-Za-z0-9_-]", "-", f"{run_id}-rank{rank}")[-120:]
-
-
 class RankLogger:
     """One rank's metrics sink (JSONL + optional W&B)."""
 
-    def __init__(self, cfg: DictConfig, run: RunInfo, info: DistInfo) -> None:
+    def __init__(
+        self, *, cfg: LoggerConfig, run: RunInfo, info: DistInfo, config: dict[str, Any]
+    ) -> None:
+        """``config`` is the whole run's config as plain containers (W&B's run config)."""
         self.info, self.run = info, run
         self.rank_dir = run.run_dir / f"rank{info.rank}"
         self.rank_dir.mkdir(parents=True, exist_ok=True)
@@ -62,11 +59,11 @@ class RankLogger:
         self._wandb: Any = None
         self._wandb_thread: threading.Thread | None = None
         self.bar: Any = None
-        if cfg.logger.name == "wandb":
+        if cfg.name == LoggerName.wandb:
             # W&B's import and service start take ~1 s: overlap them with building the data,
             # model and DDP; the first use of ``self.wandb`` waits for it.
             self._wandb_thread = threading.Thread(
-                target=self._start_wandb, args=(cfg,), name="wandb-init", daemon=True
+                target=self._start_wandb, args=(cfg, config), name="wandb-init", daemon=True
             )
             self._wandb_thread.start()
 
@@ -82,59 +79,8 @@ class RankLogger:
         self.wait_ready()
         return self._wandb
 
-    def _wandb_kwargs(self, cfg: DictConfig) -> dict[str, Any]:
-        info, run = self.info, self.run
-        config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        config.update(
-            rank=info.rank,
-            local_rank=info.local_rank,
-            world_size=info.world_size,
-            host=info.host,
-            backend=info.backend or "none",
-            sampler=str(cfg.sampler.mode.value),
-        )
-        return dict(
-            project=cfg.logger.project,
-            entity=cfg.logger.entity,
-            tags=list(cfg.logger.tags),
-            group=run.run_id,
-            job_type="main" if info.is_main else "worker",
-            name=f"{run.run_id}-rank{info.rank}",
-            id=wandb_id(run.run_id, info.rank),
-            resume="allow",
-            dir=str(self.rank_dir),
-            config=config,
-        )
-
-    def _start_wandb(self, cfg: DictConfig) -> None:
-        import wandb
-
-        kwargs = self._wandb_kwargs(cfg)
-        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True)
-        mode = str(cfg.logger.mode.value)
-        error: Exception | None = None
-        for attempt in [mode] + (["offline"] if mode != "offline" else []):
-            try:
-                wb = wandb.init(mode=attempt, settings=settings, **kwargs)
-            except Exception as exc:  # W&B must never stop training
-                error = exc
-                continue
-            if error is not None:
-                log.warning(
-                    "W&B (%s) failed to start on rank %d (%s); logging offline instead",
-                    mode,
-                    self.info.rank,
-                    str(error).splitlines()[0],
-                )
-            wb.define_metric("step")
-            wb.define_metric("*", step_metric="step")
-            self._wandb = wb
-            return
-        log.warning(
-            "W&B failed to start on rank %d (%s); metrics go to metrics.jsonl only",
-            self.info.rank,
-            error,
-        )
+    def _start_wandb(self, cfg: LoggerConfig, config: dict[str, Any]) -> None:
+        self._wandb = start_wandb(cfg, run=self.run, info=self.info, config=config)
 
     @property
     def wandb_id(self) -> str | None:
@@ -236,6 +182,34 @@ class RankLogger:
         )
         log.info("summary: %s", path)
 
+    def log_eval(self, result: Any, epoch: int, step: int) -> None:
+        metrics = {"eval/accuracy": result.accuracy, "eval/loss": result.loss}
+        self.log({**metrics, "eval/correct": result.correct, "epoch": epoch}, step)
+        log.info("epoch %d: eval accuracy %.4f, loss %.4f", epoch, result.accuracy, result.loss)
+
+    def log_shard_report(self, report: dict[str, Any], epoch: int, step: int) -> None:
+        """Rank 0: the verdict, coverage and step-time spread as keys, a table and a console
+        block; a warning when any rank saw data its sampler mode does not define."""
+        summary = {
+            "shards/verdict_ok": int(report["verdict"] == "ok"),
+            "shards/total_samples": report["total_samples"],
+            "perf/step_s_max_over_min": report["step_s_max_over_min"],
+            "perf/slowest_rank": report["slowest_rank"],
+        }
+        for key in ("coverage", "overlap", "repeats"):
+            if key in report:
+                summary[f"shards/{key}"] = report[key]
+        self.log(summary, step)
+        self.log_table("shards/report", report["ranks"], step)
+        log.info("\n".join(_report_lines(report, epoch)))
+        if report["verdict"] != "ok":
+            log.warning(
+                "SHARD MISMATCH in epoch %d: %s — a rank saw data its sampler mode does not "
+                "define (wrong seed on one rank? missing set_epoch? custom sampler?)",
+                epoch,
+                report["verdict"],
+            )
+
     def finish(self, exit_code: int = 0) -> None:
         """Close the JSONL and the W&B run; called on every exit path."""
         self.end_epoch()
@@ -246,85 +220,7 @@ class RankLogger:
             self._wandb = None
 
 
-def log_eval(logger: RankLogger, result: Any, epoch: int, step: int) -> None:
-    logger.log(
-        {
-            "eval/accuracy": result.accuracy,
-            "eval/loss": result.loss,
-            "eval/correct": result.correct,
-            "epoch": epoch,
-        },
-        step,
-    )
-    log.info("epoch %d: eval accuracy %.4f, loss %.4f", epoch, result.accuracy, result.loss)
-
-
-def _epoch_observed(stats: Any, metrics: dict[str, Any], start: int) -> dict[str, Any]:
-    """What rank 0 needs from this rank to check its shard (indices only for small N)."""
-    obs = {
-        "samples": stats.tally.samples,
-        "duplicates": metrics["data/duplicates"],
-        "fingerprint": stats.tally.fp,
-        "step_s": metrics["perf/step_s"],
-        "start": start,
-    }
-    if stats.tally.keep:
-        obs["indices"] = stats.tally.indices()
-    return obs
-
-
-def report_epoch(
-    logger: RankLogger, sampler: Any, stats: Any, start: int, epoch: int, step: int
-) -> dict[str, Any] | None:
-    """Log this rank's epoch accounting; rank 0 also gathers every rank's and checks them.
-
-    ``start`` is the sampler position the epoch began at (non-zero after a mid-epoch resume).
-    Returns the shard report on rank 0 (None elsewhere). A collective: call on every rank.
-    """
-    from ddp_template.data.accounting import expected_fingerprint, fingerprint_hex, shard_report
-    from ddp_template.distributed import gather_objects
-
-    end = start + stats.tally.samples
-    duplicates = sampler.padding_in_prefix(end) - sampler.padding_in_prefix(start)
-    metrics = {
-        "epoch": epoch,
-        **stats.as_metrics(duplicates),
-        "data/fingerprint": fingerprint_hex(stats.tally.fp),
-    }
-    logger.log(metrics, step)
-    observed = gather_objects(_epoch_observed(stats, metrics, start), logger.info)
-    if not logger.info.is_main:
-        return None
-    expected = [
-        expected_fingerprint(sampler, r, o["start"], o["samples"]) for r, o in enumerate(observed)
-    ]
-    report = shard_report(sampler.mode, sampler.dataset_size, observed, expected)
-    _log_report(logger, report, observed, epoch, step)
-    return report
-
-
-def _log_report(
-    logger: RankLogger,
-    report: dict[str, Any],
-    observed: list[dict[str, Any]],
-    epoch: int,
-    step: int,
-) -> None:
-    step_times = [o["step_s"] for o in observed]
-    slowest = max(range(len(step_times)), key=step_times.__getitem__)
-    fastest = min(step_times)
-    spread = step_times[slowest] / fastest if fastest > 0 else float("nan")
-    summary = {
-        "shards/verdict_ok": int(report["verdict"] == "ok"),
-        "shards/total_samples": report["total_samples"],
-        "perf/step_s_max_over_min": spread,
-        "perf/slowest_rank": slowest,
-    }
-    for key in ("coverage", "overlap", "repeats"):
-        if key in report:
-            summary[f"shards/{key}"] = report[key]
-    logger.log(summary, step)
-    logger.log_table("shards/report", report["ranks"], step)
+def _report_lines(report: dict[str, Any], epoch: int) -> list[str]:
     lines = [
         f"epoch {epoch} shards ({report['mode']}, N={report['dataset_size']}): "
         f"verdict {report['verdict']}"
@@ -337,17 +233,10 @@ def _log_report(
     if "coverage" in report:
         lines.append(
             f"  coverage {report['coverage']:.4f} ({report['covered']} unique), "
-            f"overlap {report['overlap']}, step time max/min {spread:.2f} "
-            f"(slowest rank {slowest})"
+            f"overlap {report['overlap']}, step time max/min {report['step_s_max_over_min']:.2f} "
+            f"(slowest rank {report['slowest_rank']})"
         )
-    log.info("\n".join(lines))
-    if report["verdict"] != "ok":
-        log.warning(
-            "SHARD MISMATCH in epoch %d: %s — a rank saw data its sampler mode does not "
-            "define (wrong seed on one rank? missing set_epoch? custom sampler?)",
-            epoch,
-            report["verdict"],
-        )
+    return lines
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
@@ -357,37 +246,3 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     tmp.replace(path)
     return path
-
-
-PICTURE_MAX_N = 2_000_000  # above this, drawing every rank's shard would cost O(N) at start
-
-
-def draw_shards_async(sampler: Any, run_dir: Path) -> Any:
-    """Draw ``shards.png`` for the first epoch in a background thread (rank 0 only).
-
-    matplotlib costs about a second to import and draw; a thread keeps that off the path to the
-    first optimizer step. Returns the thread (join it before logging the image) or None.
-    """
-    if sampler.dataset_size > PICTURE_MAX_N:
-        log.info("shards.png skipped: N=%d > %d", sampler.dataset_size, PICTURE_MAX_N)
-        return None
-
-    def draw() -> None:
-        from ddp_template.data.samplers import ShardSampler
-        from ddp_template.shard_plot import layout_from_sampler, save_layout_png
-
-        layout = layout_from_sampler(
-            ShardSampler,
-            sampler.dataset_size,
-            sampler.num_replicas,
-            sampler.mode,
-            sampler.shuffle,
-            sampler.seed,
-            sampler.epoch,
-            sampler.permutation,
-        )
-        save_layout_png(run_dir / "shards.png", layout)
-
-    thread = threading.Thread(target=draw, name="shards-png", daemon=True)
-    thread.start()
-    return thread

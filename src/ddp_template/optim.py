@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_template.errors import ConfigError
+from ddp_template.config import OptimConfig, OptimName, Schedule
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -21,24 +21,19 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     ]
 
 
-def build_optimizer(cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
-    if cfg.lr <= 0:
-        raise ConfigError(f"optim.lr={cfg.lr} must be positive; try optim.lr=0.1 for sgd.")
+def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
     groups = _param_groups(model, cfg.weight_decay)
-    if cfg.name == "sgd":
-        return torch.optim.SGD(
-            groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0
-        )
-    if cfg.name == "adamw":
+    if cfg.name == OptimName.adamw:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
-    raise ConfigError(f"optim.name={cfg.name} is unknown; use optim=sgd or optim=adamw.")
+    nesterov = cfg.nesterov and cfg.momentum > 0
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=nesterov)
 
 
 def build_scheduler(
-    cfg: Any, optimizer: torch.optim.Optimizer, total_steps: int
+    cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Per-step schedule: linear warm-up, then cosine to zero (or constant with ``none``)."""
-    warmup, cosine = cfg.warmup_steps, cfg.schedule == "cosine"
+    warmup, cosine = cfg.warmup_steps, cfg.schedule == Schedule.cosine
 
     def factor(step: int) -> float:
         if step < warmup:

@@ -1,348 +1,77 @@
 """Pictures of the shard layout: which dataset index each rank reads, and which slots repeat.
 
 A silent data bug (overlapping shards, padding counted as data, dropped samples) is easiest to
-see: each run saves its layout as ``shards.png`` and ``make shards`` draws the README figure.
-The drawing takes plain arrays (`ShardLayout`) so it never depends on sampler internals, and it
-imports matplotlib lazily and draws on a bare `Figure` (Agg), so it works headless and leaves
-pyplot's global backend alone.
+see: each run saves its first epoch's layout as ``shards.png`` (drawn in a background thread)
+and ``make shards`` draws the README figure, one panel per sampler mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import logging
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-MODES = ("padded", "drop_last", "sequential")
-SMALL_N = 64  # up to this many samples every slot gets its own labelled cell
-STRIP_WRAP = 32  # the dataset strip wraps after this many cells (unless a rank row is longer)
-COVERAGE_BINS = 100
-PAD_HATCH = "////"
-DROP_HATCH = "xxx"
-CELL_IN = 0.42  # inches per cell in the small-N grid
-DPI = 120
+from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
+from ddp_template.shard_draw import ShardLayout, draw_layout, save
+
+__all__ = ["ShardLayout", "draw_layout", "layout_from_sampler", "save_layout_png", "save_modes_png"]
+
+log = logging.getLogger("ddp_template")
+PICTURE_MAX_N = 2_000_000  # above this, drawing every rank's shard would cost O(N) at start
 
 
-@dataclass
-class ShardLayout:
-    """One epoch's per-rank index lists and padding flags, as plain arrays."""
-
-    mode: str
-    num_samples: int  # N
-    ranks: list[np.ndarray]  # per-rank index lists (epoch order)
-    padding: list[np.ndarray]  # per-rank bool arrays, True where that slot is padding
-
-    @property
-    def world_size(self) -> int:
-        return len(self.ranks)
-
-    def dropped(self) -> np.ndarray:
-        """Dataset indices no rank reads at all (drop_last trims them)."""
-        seen = np.zeros(self.num_samples, dtype=bool)
-        for idx in self.ranks:
-            seen[np.asarray(idx)] = True
-        return np.flatnonzero(~seen)
-
-
-def layout_from_sampler(
-    sampler_cls: Any,
-    n: int,
-    world: int,
-    mode: str,
-    shuffle: bool,
-    seed: int,
-    epoch: int = 0,
-    permutation: str = "auto",
-) -> ShardLayout:
-    """Build one sampler per rank, as each rank would, and record what it yields."""
+def layout_from_sampler(sampler: ShardSampler) -> ShardLayout:
+    """Every rank's list for the sampler's current epoch, as the sampler defines it."""
     ranks, padding = [], []
-    for rank in range(world):
-        sampler = sampler_cls(
-            range(n), world, rank, shuffle=shuffle, seed=seed, mode=mode, permutation=permutation
-        )
-        sampler.set_epoch(epoch)
+    for rank in range(sampler.num_replicas):
         idx = np.asarray(sampler.rank_indices(rank), dtype=np.int64)
         ranks.append(idx)
         padding.append(np.asarray(sampler.is_padding(np.arange(idx.size), rank), dtype=bool))
-    return ShardLayout(mode=mode, num_samples=n, ranks=ranks, padding=padding)
-
-
-# ----------------------------------------------------------------------------- helpers
-def _rank_colors(world: int) -> list[tuple[float, ...]]:
-    """Distinct qualitative colours for up to 20 ranks, a continuous map beyond."""
-    import matplotlib
-
-    if world <= 10:
-        return [matplotlib.colormaps["tab10"](r) for r in range(world)]
-    if world <= 20:
-        return [matplotlib.colormaps["tab20"](r) for r in range(world)]
-    return [matplotlib.colormaps["turbo"](r / (world - 1)) for r in range(world)]
-
-
-def _tint(color: Sequence[float], amount: float) -> tuple[float, float, float]:
-    """Blend a colour towards white, so black text stays readable on it."""
-    return tuple(c + (1.0 - c) * amount for c in color[:3])  # type: ignore[return-value]
-
-
-def _dropped_text(dropped: np.ndarray, limit: int = 12) -> str:
-    shown = ", ".join(str(i) for i in dropped[:limit].tolist())
-    more = f", … ({dropped.size:,} in all)" if dropped.size > limit else ""
-    return f"dropped: {shown}{more}"
-
-
-def _headline(layout: ShardLayout, title: str | None) -> str:
-    """Title plus the numbers a reader checks first: slots per rank, padding, dropped."""
-    per_rank = max((idx.size for idx in layout.ranks), default=0)
-    pads = sum(int(p.sum()) for p in layout.padding)
-    stats = (
-        f"N={layout.num_samples:,}, W={layout.world_size}: per-rank length {per_rank:,}, "
-        f"{pads:,} padding, {layout.dropped().size:,} dropped"
-    )
-    return f"{title or layout.mode}  ·  {stats}"
-
-
-# ----------------------------------------------------------------------------- small N
-def _cell(ax: Any, x: float, y: float, label: str, color: Any, hatch: str | None) -> None:
-    """One slot: a tinted square (hatched when padding/dropped) with its index written in it."""
-    from matplotlib.patches import Rectangle
-
-    face = (0.93, 0.93, 0.93) if color is None else _tint(color, 0.75 if hatch else 0.35)
-    edge = (0.45, 0.45, 0.45) if color is None else color
-    ax.add_patch(
-        Rectangle(
-            (x + 0.04, y + 0.04),
-            0.92,
-            0.92,
-            facecolor=face,
-            edgecolor=edge,
-            hatch=hatch,
-            linewidth=1.2,
-        )
-    )
-    style = "italic" if hatch else "normal"
-    ax.text(
-        x + 0.5,
-        y + 0.5,
-        label,
-        ha="center",
-        va="center",
-        fontsize=9,
-        style=style,
-        fontweight="normal" if hatch else "bold",
-        bbox={"boxstyle": "round,pad=0.1", "fc": face, "ec": "none"} if hatch else None,
+    return ShardLayout(
+        mode=sampler.mode, num_samples=sampler.dataset_size, ranks=ranks, padding=padding
     )
 
 
-def _grid_shape(layout: ShardLayout) -> tuple[int, int]:
-    """Columns of the grid and rows of the dataset strip, which wraps beyond STRIP_WRAP cells."""
-    per_rank = max((idx.size for idx in layout.ranks), default=0)
-    cols = max(per_rank, min(layout.num_samples, STRIP_WRAP), 1)
-    return cols, -(-layout.num_samples // cols)
+def draw_shards_async(sampler: ShardSampler, run_dir: Path) -> threading.Thread | None:
+    """Draw ``shards.png`` for the current epoch in a background thread (rank 0 only).
 
+    matplotlib costs about a second to import and draw; a thread keeps that off the path to the
+    first optimizer step. Returns the thread (join it before logging the image) or None.
+    """
+    if sampler.dataset_size > PICTURE_MAX_N:
+        log.info("shards.png skipped: N=%d > %d", sampler.dataset_size, PICTURE_MAX_N)
+        return None
+    frozen = copy.copy(sampler)  # the training loop moves on (set_epoch) while this draws
 
-def _draw_strip(ax: Any, layout: ShardLayout, colors: list, top: float, cols: int) -> None:
-    """Every dataset index once, coloured by the rank whose real slot reads it."""
-    n = layout.num_samples
-    owner = np.full(n, -1)
-    for r, (idx, pad) in enumerate(zip(layout.ranks, layout.padding, strict=True)):
-        owner[idx[~pad]] = r
-    reads = np.bincount(np.concatenate(layout.ranks), minlength=n)
-    for i, o in enumerate(owner.tolist()):
-        x, y = i % cols, top + i // cols
-        _cell(ax, x, y, str(i), colors[o] if o >= 0 else None, DROP_HATCH if o < 0 else None)
-        if reads[i] > 1:  # padding repeats it (or, in a buggy layout, two ranks read it)
-            ax.text(x + 0.93, y + 0.1, f"×{reads[i]}", ha="right", va="top", fontsize=7)
+    def draw() -> None:
+        save_layout_png(run_dir / "shards.png", layout_from_sampler(frozen))
 
-
-def _draw_cells(ax: Any, layout: ShardLayout, colors: list) -> None:
-    """Row per rank (epoch order), then a strip of the dataset coloured by who reads each index."""
-    world = layout.world_size
-    cols, strip_rows = _grid_shape(layout)
-    for r, (idx, pad) in enumerate(zip(layout.ranks, layout.padding, strict=True)):
-        for pos, (i, p) in enumerate(zip(idx.tolist(), pad.tolist(), strict=True)):
-            _cell(ax, pos, r, str(i), colors[r], PAD_HATCH if p else None)
-    top = world + 0.6
-    _draw_strip(ax, layout, colors, top, cols)
-    bottom = top + strip_rows
-    ax.text(
-        0.04,
-        bottom + 0.15,
-        "rows: each rank's epoch list in order  ·  dataset: every index, "
-        "coloured by the rank that reads it (×2: read twice)",
-        fontsize=8,
-        color="0.35",
-        va="top",
-    )
-    ax.set_xlim(-0.1, cols + 0.1)
-    ax.set_ylim(bottom + 0.6, -0.1)
-    ax.set_aspect("equal")
-    ax.set_yticks(
-        [r + 0.5 for r in range(world)] + [top + 0.5],
-        [f"rank {r}" for r in range(world)] + ["dataset"],
-    )
-    ax.set_xticks([])
-    ax.tick_params(left=False)
-    for spine in ax.spines.values():
-        spine.set_visible(False)
-    _cell_legend(ax, colors, layout)
-
-
-def _cell_legend(ax: Any, colors: list, layout: ShardLayout) -> None:
-    from matplotlib.patches import Patch
-
-    handles = [
-        Patch(facecolor=_tint(c, 0.35), edgecolor=c, label=f"rank {r}")
-        for r, c in enumerate(colors)
-    ]
-    handles.append(
-        Patch(facecolor="white", edgecolor="0.3", hatch=PAD_HATCH, label="padding (repeat)")
-    )
-    dropped = layout.dropped()
-    if dropped.size:
-        handles.append(
-            Patch(
-                facecolor="0.93", edgecolor="0.45", hatch=DROP_HATCH, label=_dropped_text(dropped)
-            )
-        )
-    ax.legend(
-        handles=handles,
-        loc="upper left",
-        bbox_to_anchor=(1.01, 1.0),
-        frameon=False,
-        fontsize=9,
-        handleheight=1.4,
-    )
-
-
-# ----------------------------------------------------------------------------- large N
-def _draw_counts(ax: Any, layout: ShardLayout, colors: list) -> None:
-    """Per rank: real vs padding slots; unequal bars or padding beyond W-1 mean a bug."""
-    ranks = np.arange(layout.world_size)
-    pads = np.array([int(p.sum()) for p in layout.padding])
-    real = np.array([p.size for p in layout.padding]) - pads
-    ax.barh(ranks, real, color=colors, label="real")
-    ax.barh(
-        ranks, pads, left=real, color="white", edgecolor=colors, hatch=PAD_HATCH, label="padding"
-    )
-    if layout.world_size <= 16:
-        ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
-        for r in ranks:
-            ax.text(
-                real[r] * 0.02,
-                r,
-                f"{real[r]:,} + {pads[r]:,} pad",
-                va="center",
-                fontsize=8,
-                color="white",
-                fontweight="bold",
-            )
-    ax.invert_yaxis()
-    ax.set_xlabel("slots in this epoch")
-    ax.set_ylabel("rank")
-    ax.set_title("real vs padding slots per rank", fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
-
-
-def _coverage_note(layout: ShardLayout) -> str:
-    """The numbers a binned plot hides: unique coverage, the most-read index, what was dropped."""
-    n = layout.num_samples
-    reads = np.bincount(np.concatenate(layout.ranks), minlength=n) if layout.ranks else []
-    note = f"unique coverage {np.count_nonzero(reads) / n:.4%}  ·  max reads of one index "
-    note += str(int(np.max(reads, initial=0)))
-    dropped = layout.dropped()
-    return note + (f"\n{_dropped_text(dropped, limit=5)}" if dropped.size else "")
-
-
-def _draw_coverage(ax: Any, layout: ShardLayout, colors: list) -> None:
-    """Reads per dataset index, binned and stacked by rank: 1.0 everywhere = each index once."""
-    n = layout.num_samples
-    bins = min(COVERAGE_BINS, n)
-    width = n / bins
-    edges = np.arange(bins + 1) * width
-    bottom = np.zeros(bins + 1)  # step="post" ignores the last value; it only closes the edge
-    for r, idx in enumerate(layout.ranks):
-        share = np.bincount(np.asarray(idx) * bins // n, minlength=bins) / width
-        top = bottom + np.append(share, share[-1])
-        ax.fill_between(edges, bottom, top, step="post", color=colors[r], linewidth=0)
-        bottom = top
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="each index once")
-    ax.set_xlim(0, n)
-    ax.set_ylim(0, max(1.45, float(bottom.max()) * 1.3))
-    ax.text(0.01, 0.97, _coverage_note(layout), transform=ax.transAxes, va="top", fontsize=8)
-    ax.set_xlabel("dataset index")
-    ax.set_ylabel("reads per index")
-    ax.set_title(f"coverage ({bins} bins, stacked by rank)", fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
-
-
-def _draw_summary(ax: Any, layout: ShardLayout, colors: list) -> None:
-    """Too many slots to draw one by one: two compact plots inside the given axes."""
-    ax.axis("off")
-    _draw_counts(ax.inset_axes([0.06, 0.0, 0.36, 0.88]), layout, colors)
-    _draw_coverage(ax.inset_axes([0.52, 0.0, 0.48, 0.88]), layout, colors)
-
-
-# ----------------------------------------------------------------------------- public
-def _is_small(layout: ShardLayout) -> bool:
-    return layout.num_samples <= SMALL_N
-
-
-def draw_layout(ax: Any, layout: ShardLayout, title: str | None = None) -> None:
-    """Draw one layout on `ax`: every slot for small N, a summary (fast at N=1e6) otherwise."""
-    colors = _rank_colors(layout.world_size)
-    if _is_small(layout):
-        _draw_cells(ax, layout, colors)
-    else:
-        _draw_summary(ax, layout, colors)
-    ax.set_title(_headline(layout, title), loc="left", fontsize=10)
-
-
-def _figsize(layouts: Sequence[ShardLayout]) -> tuple[float, float]:
-    """Width from the widest grid (cells stay square and readable), height from the rows."""
-    if not all(_is_small(lay) for lay in layouts):
-        return 12.0, 4.2 * len(layouts)
-    shapes = [_grid_shape(lay) for lay in layouts]
-    cols = max(c for c, _ in shapes)
-    rows = sum(
-        lay.world_size + strip + 1.2 for lay, (_, strip) in zip(layouts, shapes, strict=True)
-    )
-    return min(max(CELL_IN * cols + 3.2, 8.0), 40.0), CELL_IN * rows + 0.75 * len(layouts)
-
-
-def _save(path: str | Path, layouts: Sequence[ShardLayout], titles: Sequence[str | None]) -> Path:
-    from matplotlib.figure import Figure
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig = Figure(figsize=_figsize(layouts), layout="constrained")
-    axes = fig.subplots(len(layouts), 1, squeeze=False)[:, 0]
-    for ax, layout, title in zip(axes, layouts, titles, strict=True):
-        draw_layout(ax, layout, title)
-    fig.savefig(path, dpi=DPI, bbox_inches="tight", pad_inches=0.15)  # keep outside legends
-    return path
+    thread = threading.Thread(target=draw, name="shards-png", daemon=True)
+    thread.start()
+    return thread
 
 
 def save_layout_png(path: str | Path, layout: ShardLayout, title: str | None = None) -> Path:
     """A run's `shards.png`."""
-    return _save(path, [layout], [title])
+    return save(path, [layout], [title])
 
 
 def save_modes_png(
     path: str | Path, n: int = 11, world: int = 2, shuffle: bool = False, seed: int = 0
 ) -> Path:
     """The README picture: the same N and W under each mode, one panel per mode."""
-    from ddp_template.data.samplers import ShardSampler
-
     layouts, titles = [], []
-    for mode in MODES:
-        mode_shuffle = shuffle and mode != "sequential"  # sequential never shuffles
-        layouts.append(layout_from_sampler(ShardSampler, n, world, mode, mode_shuffle, seed))
+    for mode, rule in SAMPLER_MODES.items():
+        mode_shuffle = shuffle and rule.shuffles
+        sampler = ShardSampler(range(n), world, 0, shuffle=mode_shuffle, seed=seed, mode=mode)
+        layouts.append(layout_from_sampler(sampler))
         titles.append(f"{mode} (shuffle={mode_shuffle}, seed={seed})" if shuffle else mode)
-    return _save(path, layouts, titles)
+    return save(path, layouts, titles)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -221,18 +221,6 @@ def imagefolder(path: str, image_size: int = 64) -> Splits:
     return Splits(WithIndex(train), WithIndex(val), info)
 
 
-def check_sizes(splits: Splits, world_size: int, drop_last: bool) -> None:
-    """Refuse data that cannot be sharded as configured, with the fix in the message."""
-    n = len(splits.train)
-    if n == 0:
-        raise ConfigError("the training set is empty; check data.path / data.size.")
-    if drop_last and world_size > n:
-        raise ConfigError(
-            f"sampler=drop_last with {world_size} ranks and only {n} training samples leaves "
-            f"every rank empty (floor({n}/{world_size}) = 0); use sampler=padded or fewer ranks."
-        )
-
-
 def build_splits(data_cfg: Any) -> Splits:
     """Instantiate the ``data`` group's factory and check it kept the contract."""
     splits = instantiate_clean(data_cfg)
@@ -241,4 +229,6 @@ def build_splits(data_cfg: Any) -> Splits:
             f"data._target_={data_cfg.get('_target_')} returned {type(splits).__name__}; a data "
             f"factory must return ddp_template.data.datasets.Splits(train, eval, info)."
         )
+    if len(splits.train) == 0:
+        raise ConfigError("the training set is empty; check data.path / data.size.")
     return splits

@@ -23,8 +23,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ddp_template.data.samplers import EvalShardSampler, ShardSampler
+from ddp_template.config import Config, SamplerConfig
+from ddp_template.data.eval_sampler import EvalShardSampler
+from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
 from ddp_template.distributed import DistInfo
+from ddp_template.errors import ConfigError
 
 
 def init_worker(worker_id: int, rank_pid: int) -> None:
@@ -87,21 +90,29 @@ def _loader_kwargs(num_workers: int, device: torch.device) -> dict[str, Any]:
     return kwargs
 
 
-def build_train_sampler(dataset: Dataset, cfg: Any, info: DistInfo) -> ShardSampler:
-    seed = cfg.seed if cfg.sampler.seed is None else cfg.sampler.seed
+def build_train_sampler(
+    dataset: Dataset, cfg: SamplerConfig, seed: int, info: DistInfo
+) -> ShardSampler:
+    """The ``sampler`` group's builder; the run's ``seed`` unless ``sampler.seed`` is set."""
+    if SAMPLER_MODES[str(cfg.mode)].drops_tail and info.world_size > len(dataset):
+        raise ConfigError(
+            f"sampler={cfg.mode} with {info.world_size} ranks and only {len(dataset)} training "
+            f"samples leaves every rank empty (floor({len(dataset)}/{info.world_size}) = 0); use "
+            f"sampler=padded or fewer ranks."
+        )
     return ShardSampler(
         dataset,
         num_replicas=info.world_size,
         rank=info.rank,
-        shuffle=cfg.sampler.shuffle,
-        seed=seed,
-        mode=str(cfg.sampler.mode.value),
-        permutation=str(cfg.sampler.permutation.value),
+        shuffle=cfg.shuffle,
+        seed=seed if cfg.seed is None else cfg.seed,
+        mode=str(cfg.mode),
+        permutation=str(cfg.permutation),
     )
 
 
 def build_train_loader(
-    dataset: Dataset, sampler: ShardSampler, cfg: Any, info: DistInfo
+    dataset: Dataset, sampler: ShardSampler, cfg: Config, info: DistInfo
 ) -> DataLoader:
     generator = torch.Generator()
     generator.manual_seed(worker_seed(cfg.seed, info.rank, 0))
@@ -115,8 +126,8 @@ def build_train_loader(
     )
 
 
-def build_eval_loader(dataset: Dataset, cfg: Any, info: DistInfo) -> DataLoader:
-    """Contiguous, unpadded shards: no sample is evaluated twice (DESIGN.md §4)."""
+def build_eval_loader(dataset: Dataset, cfg: Config, info: DistInfo) -> DataLoader:
+    """Contiguous, unpadded shards: no sample is evaluated twice."""
     sampler = EvalShardSampler(dataset, num_replicas=info.world_size, rank=info.rank)
     return DataLoader(
         dataset,

@@ -1,16 +1,16 @@
-"""Training and evaluation samplers whose per-rank index lists are defined, not incidental.
+"""The training sampler, whose per-rank index lists are defined, not incidental.
 
 `ShardSampler` reproduces `torch.utils.data.distributed.DistributedSampler` exactly in its
 `padded` and `drop_last` modes (same seed + epoch -> same per-rank lists), adds libtorch's
 `sequential` layout, a resumable position, and a keyed Feistel permutation that shuffles
-huge datasets without materialising `randperm(N)` (see DESIGN.md §3).
-`EvalShardSampler` gives evaluation contiguous, unpadded shards so metrics summed over ranks
-equal the single-process result exactly (DESIGN.md §4).
+huge datasets without materialising `randperm(N)`. `SAMPLER_MODES` is the one table of what
+each mode does; docs/ARCHITECTURE.md states the semantics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sized
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,56 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-MODES = ("padded", "drop_last", "sequential")
+from ddp_template.data.feistel import FeistelPermutation
+
+
+@dataclass(frozen=True)
+class ModeRule:
+    """How one sampler mode lays an epoch out over W ranks (one row of ``SAMPLER_MODES``).
+
+    Slots ``j >= N`` of the global list are padding: they repeat ``perm(j mod N)``.
+    """
+
+    summary: str
+    shuffles: bool  # may shuffle (the permutation applies to the slots)
+    drops_tail: bool  # floor(N/W) per rank, the tail dropped; else ceil(N/W), the tail padded
+    contiguous: bool  # rank r holds the block r*L..(r+1)*L-1; else the slots r, r+W, r+2W, ...
+
+    def length(self, n: int, world: int) -> int:
+        """Positions per rank (L)."""
+        return n // world if self.drops_tail else _ceil_div(n, world)
+
+    def slots(self, positions: np.ndarray, rank: int, length: int, world: int) -> np.ndarray:
+        """Global slot of each of ``rank``'s positions."""
+        return rank * length + positions if self.contiguous else rank + positions * world
+
+    def real_positions(self, n: int, rank: int, length: int, world: int) -> int:
+        """How many of ``rank``'s positions come before its first padding slot."""
+        return max(0, n - rank * length if self.contiguous else _ceil_div(n - rank, world))
+
+
+SAMPLER_MODES = {
+    "padded": ModeRule(
+        summary="shuffled, the tail padded with repeats (DistributedSampler's default)",
+        shuffles=True,
+        drops_tail=False,
+        contiguous=False,
+    ),
+    "drop_last": ModeRule(
+        summary="shuffled, the tail dropped (DistributedSampler with drop_last=True)",
+        shuffles=True,
+        drops_tail=True,
+        contiguous=False,
+    ),
+    "sequential": ModeRule(
+        summary="contiguous shards, never shuffled, the tail padded",
+        shuffles=False,
+        drops_tail=False,
+        contiguous=True,
+    ),
+}
+_FIRST_BLOCK = 1024  # small first block: the first index arrives in well under a millisecond
+_MAX_BLOCK = 16384  # later blocks: amortise numpy overhead, yet keep temporaries ~1 MiB
 PERMUTATIONS = ("auto", "randperm", "feistel")
 
 # `permutation="auto"` keeps torch's randperm (bit-identical to DistributedSampler, so existing
@@ -30,76 +79,8 @@ PERMUTATIONS = ("auto", "randperm", "feistel")
 # samples, so exact reproducibility wins; beyond it the per-epoch stall and memory do not pay.
 AUTO_FEISTEL_THRESHOLD = 2**24
 
-_M64 = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15
-_FEISTEL_ROUNDS = 8
-_FIRST_BLOCK = 1024  # small first block: the first index arrives in well under a millisecond
-_MAX_BLOCK = 16384  # later blocks: amortise numpy overhead, yet keep temporaries ~1 MiB
-_C1 = np.uint64(0x9E3779B97F4A7C15)
-_C2 = np.uint64(0xBF58476D1CE4E5B9)
-_C3 = np.uint64(0x94D049BB133111EB)
 
-
-def _splitmix64(x: int) -> int:
-    """SplitMix64 on Python ints: derives independent-looking round keys from (seed, epoch)."""
-    x = (x + _GAMMA) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-class FeistelPermutation:
-    """A keyed bijection of range(n) evaluated pointwise: O(1) memory, vectorised over arrays.
-
-    An unbalanced Feistel network permutes [0, 2**b) with 2**b the next power of two >= n;
-    cycle-walking (re-encrypting values that land >= n) restricts it to a bijection of [0, n).
-    Because 2**b < 2n, a value needs fewer than two encryptions on average.
-    """
-
-    def __init__(self, n: int, seed: int, epoch: int) -> None:
-        if n < 1:
-            raise ValueError(f"FeistelPermutation needs n >= 1, got n={n}.")
-        if n > 2**63:
-            raise ValueError(f"FeistelPermutation supports n <= 2**63 (int64 results), got n={n}.")
-        self.n = n
-        bits = (n - 1).bit_length()
-        self._left_bits = bits // 2
-        self._right_bits = bits - self._left_bits
-        base = _splitmix64(_splitmix64(seed & _M64) ^ (epoch & _M64))
-        self._keys = [np.uint64(_splitmix64((base + i) & _M64)) for i in range(_FEISTEL_ROUNDS)]
-
-    def _encrypt(self, x: np.ndarray) -> np.ndarray:
-        """One pass over [0, 2**b); half widths swap each round, restored after an even count."""
-        right_bits = self._right_bits
-        left = x >> np.uint64(right_bits)
-        right = x & np.uint64((1 << right_bits) - 1)
-        widths = (self._left_bits, right_bits)
-        for key in self._keys:
-            f = right * _C1
-            f += key
-            f ^= f >> np.uint64(31)
-            f *= _C2
-            f ^= f >> np.uint64(29)
-            f *= _C3
-            f ^= f >> np.uint64(32)
-            f &= np.uint64((1 << widths[0]) - 1)
-            f ^= left
-            left, right = right, f
-            widths = (widths[1], widths[0])
-        return (left << np.uint64(right_bits)) | right
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        """Permuted values of x (integers in [0, n)), as int64."""
-        y = self._encrypt(np.asarray(x, dtype=np.uint64))
-        outside = np.flatnonzero(y >= np.uint64(self.n))
-        while outside.size:
-            walked = self._encrypt(y[outside])
-            y[outside] = walked
-            outside = outside[walked >= np.uint64(self.n)]
-        return y.astype(np.int64)
-
-
-def _resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+def resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     """World size and rank from the arguments, else from the initialised process group."""
     if num_replicas is None or rank is None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -142,18 +123,21 @@ class ShardSampler(Sampler[int]):
         mode: str = "padded",
         permutation: str = "auto",
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"Unknown sampler mode {mode!r}; choose one of {', '.join(MODES)}.")
+        mode = str(mode)
+        if mode not in SAMPLER_MODES:
+            choices = ", ".join(SAMPLER_MODES)
+            raise ValueError(f"Unknown sampler mode {mode!r}; choose one of {choices}.")
         if permutation not in PERMUTATIONS:
             raise ValueError(
                 f"Unknown permutation {permutation!r}; choose one of {', '.join(PERMUTATIONS)}."
             )
-        if mode == "sequential" and shuffle:
+        self.rule = SAMPLER_MODES[mode]
+        if shuffle and not self.rule.shuffles:
             raise ValueError(
-                "Sampler mode 'sequential' does not shuffle, but shuffle=True was given; "
+                f"Sampler mode {mode!r} does not shuffle, but shuffle=True was given; "
                 "set shuffle=False (or pick mode 'padded' or 'drop_last')."
             )
-        self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
+        self.num_replicas, self.rank = resolve_world(num_replicas, rank)
         self.dataset = dataset
         self.dataset_size = len(dataset)
         self.shuffle = bool(shuffle)
@@ -165,7 +149,7 @@ class ShardSampler(Sampler[int]):
             permutation = "feistel" if big else "randperm"
         self.permutation = permutation
         n, w = self.dataset_size, self.num_replicas
-        self.num_samples = n // w if mode == "drop_last" else _ceil_div(n, w)
+        self.num_samples = self.rule.length(n, w)
         self.total_size = self.num_samples * w
         self._start = 0  # pending resume offset, consumed by the next __iter__
         self._perm_cache: tuple[int, Any] | None = None
@@ -197,7 +181,7 @@ class ShardSampler(Sampler[int]):
     # ----------------------------------------------------------------- index arithmetic
     def _permutation(self) -> Any:
         """The epoch's permutation: None (identity), a randperm array or a FeistelPermutation."""
-        if not self.shuffle or self.mode == "sequential" or self.dataset_size == 0:
+        if not self.shuffle or self.dataset_size == 0:
             return None
         if self._perm_cache is None or self._perm_cache[0] != self.epoch:
             if self.permutation == "randperm":
@@ -220,9 +204,7 @@ class ShardSampler(Sampler[int]):
         """Global slot of each of this rank's positions (validated to lie in the epoch)."""
         if positions.size and (positions.min() < 0 or positions.max() >= self.num_samples):
             raise IndexError(f"Positions must lie in [0, {self.num_samples}) for this sampler.")
-        if self.mode == "sequential":
-            return rank * self.num_samples + positions
-        return rank + positions * self.num_replicas
+        return self.rule.slots(positions, rank, self.num_samples, self.num_replicas)
 
     def _lookup(self, slots: np.ndarray, perm: Any) -> np.ndarray:
         """Dataset index held by each global slot: perm(slot mod N)."""
@@ -249,14 +231,9 @@ class ShardSampler(Sampler[int]):
         """How many of a rank's first n positions are padding; O(1), for `data/duplicates`."""
         rank = self._rank(rank)
         n = max(0, min(n, self.num_samples))
-        size = self.dataset_size
-        if self.mode == "drop_last":
-            return 0
-        if self.mode == "sequential":
-            first = size - rank * self.num_samples
-        else:
-            first = _ceil_div(size - rank, self.num_replicas)
-        return max(0, n - max(0, first))
+        rule, size = self.rule, self.dataset_size
+        real = rule.real_positions(size, rank, self.num_samples, self.num_replicas)
+        return max(0, n - real)
 
     # ----------------------------------------------------------------- resumption
     def state_dict(self, position: int = 0) -> dict[str, Any]:
@@ -305,26 +282,3 @@ class ShardSampler(Sampler[int]):
             )
         self.epoch = int(state["epoch"])
         self._start = position
-
-
-class EvalShardSampler(Sampler[int]):
-    """Exact evaluation sharding: contiguous, unpadded, every index exactly once.
-
-    Rank r gets range(r*N//W, (r+1)*N//W), so shard sizes differ by at most one and some are
-    empty when N < W; summing metrics over ranks then equals the single-process result.
-    """
-
-    def __init__(
-        self, dataset: Sized, num_replicas: int | None = None, rank: int | None = None
-    ) -> None:
-        self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
-        self.dataset = dataset
-        self.dataset_size = len(dataset)
-        self.start = self.rank * self.dataset_size // self.num_replicas
-        self.stop = (self.rank + 1) * self.dataset_size // self.num_replicas
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.start, self.stop))

@@ -1,0 +1,50 @@
+"""Mixed precision (the ``amp`` group): autocast dtype, the startup probe, the GradScaler."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ddp_template.config import AmpConfig, AmpMode
+from ddp_template.errors import ConfigError
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_amp(mode: str, device: torch.device) -> None:
+    """Refuse an AMP mode this device/build cannot run, at startup rather than mid-run."""
+    if mode == "off":
+        return
+    dtype = AMP_DTYPES[mode]
+    try:
+        with torch.autocast(device.type, dtype=dtype):
+            probe = torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
+        if probe.dtype != dtype:
+            raise RuntimeError(f"autocast produced {probe.dtype}")
+        if mode == "fp16":
+            torch.amp.GradScaler(device.type)
+    except Exception as exc:
+        fix = "use amp=off" if mode == "bf16" else "use amp=bf16 or amp=off"
+        raise ConfigError(
+            f"amp.mode={mode} is not supported on {device.type} with torch {torch.__version__} "
+            f"({exc}); {fix}."
+        ) from exc
+
+
+def autocast(mode: str, device: torch.device) -> contextlib.AbstractContextManager:
+    if mode == "off":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=AMP_DTYPES[mode])
+
+
+def build_scaler(cfg: AmpConfig, device: torch.device) -> torch.amp.GradScaler:
+    """The ``amp`` group's builder: a GradScaler that is a no-op unless fp16 (one code path for
+    every AMP mode), after checking that this device can run the mode."""
+    check_amp(str(cfg.mode), device)
+    return torch.amp.GradScaler(
+        device.type,
+        init_scale=cfg.init_scale,
+        growth_interval=cfg.growth_interval,
+        enabled=cfg.mode == AmpMode.fp16,
+    )
