@@ -23,13 +23,14 @@ train: install ## Default job: small_cnn on digits, 2 ranks (NPROC=2) on CPU, gl
 	$(PY) train.py dist.nproc=$(NPROC)
 
 test: install ## Run the whole test suite (W&B offline)
-	WANDB_MODE=offline $(PY) -m pytest
+	WANDB_MODE=offline $(PY) -m pytest --durations=15
 
 test-fast: install ## Only the fast tests (no slow end-to-end runs)
 	WANDB_MODE=offline $(PY) -m pytest -m "not slow"
 
-lint: install ## ruff
+lint: install ## ruff check and ruff format --check
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 shards: install ## Draw the 11-samples-on-2-ranks picture for each sampler mode (docs/shards.png)
 	$(PY) -m ddp_template.shard_plot --out docs/shards.png

@@ -41,7 +41,7 @@ from ddp_template.engine import (
     steps_this_epoch,
     train_one_epoch,
 )
-from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_PREEMPTED, ConfigError
+from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
 from ddp_template.logging import RankLogger, log, setup_console
 from ddp_template.models import build_model, convert_syncbn
 from ddp_template.optim import build_optimizer, build_scheduler
@@ -105,12 +105,13 @@ def fit(
 ) -> EvalResult:
     """The epoch loop: set_epoch → train → account for the data → evaluate → checkpoint."""
     tr, info = built.trainer, built.trainer.info
-    preempt = Preemption(info, cfg.checkpoint.preempt_check_every)
+    every = cfg.checkpoint.preempt_check_every
+    preempt = Preemption(info=info, every=every, run_id=logger.run.run_id)
 
     def after_step(s: TrainState) -> bool:
         logger.step()
         faults.maybe_fire(cfg.fault, s.step, info.rank)
-        stop = preempt.requested(s.step)  # SIGTERM/SIGUSR1 on any rank stops all at one step
+        stop = preempt.requested(s.step)  # a signal on any rank stops all at one step
         if stop or ckpt.due(s.step):
             ckpt.save(s)
         return stop
@@ -130,23 +131,25 @@ def fit(
             if report is not None:
                 logger.log_shard_report(report, epoch, state.step)
             if stats.stopped:
-                raise SystemExit(EXIT_PREEMPTED)  # checkpointed: a requeue continues
+                preempt.stop(state.step, ckpt.last)  # checkpointed: a requeue continues
             result = evaluate(tr.module, built.eval_loader, info, tr.amp_mode)
             logger.log_eval(result, epoch, state.step)
             state.epoch, state.position = epoch + 1, 0
             ckpt.save(state, epoch_end=True)
             if epoch + 1 < cfg.epochs and preempt.sync():  # a signal late in the epoch
-                raise SystemExit(EXIT_PREEMPTED)
+                preempt.stop(state.step, ckpt.last)
     finally:
         preempt.close()
-    # epochs=0, or a finished run resumed: evaluate the model as it is.
-    return result if result is not None else evaluate(tr.module, built.eval_loader, info, tr.amp_mode)
+    if result is None:  # epochs=0, or a finished run resumed: evaluate the model as it is
+        result = evaluate(tr.module, built.eval_loader, info, tr.amp_mode)
+    return result
 
 
 def train(cfg: Config, run: run_identity.RunInfo) -> float:
     """One rank's whole run; returns the final eval accuracy (the sweep objective)."""
     info = distributed.setup(cfg.backend)
     setup_console(info, run.run_dir)
+    log.info("%s", info.describe())
     logger, exit_code = None, 1
     try:
         config = boundary.plain(cfg)
@@ -193,4 +196,9 @@ def main(raw: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    try:
+        distributed.adopt_launcher()  # srun/mpirun ranks join one job, before Hydra's run dir
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
     main()

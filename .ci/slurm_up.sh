@@ -8,8 +8,9 @@
 # Idempotent: if the node already answers `idle`/`mixed`/`allocated`, it exits 0 at once.
 # SLURM_UP_NO_INSTALL=1 refuses to install (exit 3) instead of calling apt-get: the test
 # fixture uses it so that tests never install packages.
-# Facts behind each step: /work/shared/slurm/NOTES.md (munge must run as the munge user with
-# /run/munge created; slurm.conf generated from the hostname at run time; no cgroups here).
+# Facts behind each step: munge must run as the munge user with /run/munge created (as root it
+# refuses: "Logfile is insecure"); slurm.conf is generated from the hostname at run time; there
+# are no cgroups here, so proctrack/linuxproc and task/none.
 set -euo pipefail
 
 SPOOL=${SLURM_SPOOL:-/var/spool/slurm}

@@ -7,8 +7,8 @@ For each (N, sampler) a fresh subprocess measures, so peak RSS is not polluted b
     `--limit` indices when the shard is larger; the table says which)
 
 Usage: python benchmarks/sampler.py [--sizes 1e6 1e7 ...] [--quick] [--limit 20000000]
-Targets (DESIGN.md §3): feistel first index <= 1 ms and RSS growth <= 4 MiB at any N,
-iteration >= 2M indices/s per rank.
+Targets: feistel first index <= 1 ms and RSS growth <= 4 MiB at any N, iteration >= 2M
+indices/s per rank.
 """
 
 from __future__ import annotations

@@ -5,20 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ddp_template.data.accounting import (
-    IndexTally,
-    expected_fingerprint,
-    fingerprint,
-    fingerprint_sum,
-    shard_report,
-)
+from ddp_template.data.accounting import IndexTally, fingerprint, fingerprint_sum
 from ddp_template.data.samplers import ShardSampler
+from ddp_template.data.shard_check import expected_fingerprint, shard_report
 
 M = 2**64 - 1
 
 
 def splitmix64_reference(x: int) -> int:
-    """DESIGN.md §6, verbatim."""
+    """docs/ARCHITECTURE.md "Accounting", verbatim."""
     x = (x + 0x9E3779B97F4A7C15) & M
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M

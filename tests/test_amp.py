@@ -18,9 +18,10 @@ import torch
 from helpers import jsonl, run, run_env, summary, train_cmd
 from torch import nn
 
+from ddp_template.amp import build_scaler, check_amp
 from ddp_template.config import AmpConfig, AmpMode
 from ddp_template.distributed import DistInfo
-from ddp_template.engine import Trainer, _step, check_amp, make_scaler
+from ddp_template.engine import Trainer, _step
 from ddp_template.errors import ConfigError
 
 CPU = torch.device("cpu")
@@ -151,7 +152,7 @@ def tiny_setup(scale: float = 1024.0, growth_interval: int = 3):
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     cfg = AmpConfig(mode=AmpMode.fp16, init_scale=scale, growth_interval=growth_interval)
-    return model, opt, make_scaler(cfg, CPU), torch.randn(8, 4)
+    return model, opt, build_scaler(cfg, CPU), torch.randn(8, 4)
 
 
 def scaler_step(
@@ -169,9 +170,9 @@ def scaler_step(
 
 
 @pytest.mark.parametrize("mode,enabled", [("fp16", True), ("bf16", False), ("off", False)])
-def test_make_scaler_is_active_only_for_fp16(mode: str, enabled: bool) -> None:
+def test_build_scaler_is_active_only_for_fp16(mode: str, enabled: bool) -> None:
     cfg = AmpConfig(mode=AmpMode(mode), init_scale=8.0, growth_interval=5)
-    scaler = make_scaler(cfg, CPU)
+    scaler = build_scaler(cfg, CPU)
     assert scaler.is_enabled() is enabled
     if enabled:
         assert scaler.get_scale() == 8.0 and scaler.get_growth_interval() == 5
@@ -210,16 +211,24 @@ def test_gradients_are_unscaled_before_clipping() -> None:
     clip = true_norm / 4  # clipping must bite
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     cfg = AmpConfig(mode=AmpMode.fp16, init_scale=2.0**10, growth_interval=2000)
-    info = DistInfo(0, 0, 1, 1, None, CPU, "localhost")
+    info = DistInfo(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        backend=None,
+        device=CPU,
+        host="localhost",
+    )
     tr = Trainer(
-        model,
-        opt,
-        torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
-        make_scaler(cfg, CPU),
-        None,
-        None,
-        info,
-        "fp16",
+        model=model,
+        optimizer=opt,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
+        scaler=build_scaler(cfg, CPU),
+        loader=None,
+        sampler=None,
+        info=info,
+        amp_mode="fp16",
         grad_clip=clip,
     )
     _, norm = _step(tr, x, y, want_norm=True)

@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import ROOT, run, train_cmd
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from ddp_template import launch
-from ddp_template.config import register_configs
+from ddp_template.boundary import typed
+from ddp_template.config import SamplerMode
 from ddp_template.data.datasets import build_splits
+from ddp_template.data.samplers import SAMPLER_MODES
 from ddp_template.errors import ConfigError
 from ddp_template.models import build_model
 
-register_configs()
-launch.register_resolvers()
-
 GROUPS = {
-    "sampler": ["padded", "drop_last", "sequential"],
+    "sampler": list(SAMPLER_MODES),
     "backend": ["auto", "gloo", "nccl"],
     "syncbn": ["off", "on"],
     "amp": ["off", "bf16", "fp16"],
@@ -31,11 +29,6 @@ GROUPS = {
 }
 
 
-def compose_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
 def test_every_group_folder_is_listed() -> None:
     """A new YAML in conf/<group>/ must be added here (and so get composed below)."""
     for group, options in GROUPS.items():
@@ -44,13 +37,13 @@ def test_every_group_folder_is_listed() -> None:
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
-def test_option_composes(group: str, option: str) -> None:
+def test_option_composes(group: str, option: str, compose_cfg: Callable[..., DictConfig]) -> None:
     cfg = compose_cfg(f"{group}={option}")
     choice = OmegaConf.to_container(cfg[group], resolve=True)
     assert choice, f"{group}={option} composed to an empty node"
     if group == "sampler":
         assert cfg.sampler.mode == option
-        assert cfg.sampler.shuffle is (option != "sequential")
+        assert cfg.sampler.shuffle is SAMPLER_MODES[option].shuffles
     if group == "amp":
         assert cfg.amp.mode == option
     if group == "syncbn":
@@ -58,7 +51,9 @@ def test_option_composes(group: str, option: str) -> None:
 
 
 @pytest.mark.parametrize("model", GROUPS["model"])
-def test_every_model_instantiates_and_runs(model: str) -> None:
+def test_every_model_instantiates_and_runs(
+    model: str, compose_cfg: Callable[..., DictConfig]
+) -> None:
     cfg = compose_cfg(f"model={model}", "data=synthetic", "data.size=8", "data.image_size=16")
     splits = build_splits(cfg.data)
     net = build_model(cfg.model, splits.info).eval()
@@ -66,7 +61,9 @@ def test_every_model_instantiates_and_runs(model: str) -> None:
     assert net(x).shape == (2, splits.info.num_classes)
 
 
-def test_builtin_offline_data_instantiates(tmp_path: Path) -> None:
+def test_builtin_offline_data_instantiates(
+    tmp_path: Path, compose_cfg: Callable[..., DictConfig]
+) -> None:
     digits = build_splits(compose_cfg("data=digits").data)
     assert (len(digits.train), len(digits.eval)) == (1438, 359)
     x, y, i = digits.train[5]
@@ -88,7 +85,7 @@ def _image_folder(root: Path) -> Path:
     return root
 
 
-def test_imagefolder_instantiates(tmp_path: Path) -> None:
+def test_imagefolder_instantiates(tmp_path: Path, compose_cfg: Callable[..., DictConfig]) -> None:
     cfg = compose_cfg(
         "data=imagefolder", f"data.path={_image_folder(tmp_path / 'img')}", "data.image_size=16"
     )
@@ -97,14 +94,18 @@ def test_imagefolder_instantiates(tmp_path: Path) -> None:
     assert splits.train[0][0].shape == (3, 16, 16)
 
 
-def test_imagefolder_missing_path_names_the_key(tmp_path: Path) -> None:
+def test_imagefolder_missing_path_names_the_key(
+    tmp_path: Path, compose_cfg: Callable[..., DictConfig]
+) -> None:
     cfg = compose_cfg("data=imagefolder", f"data.path={tmp_path / 'nope'}")
     with pytest.raises(ConfigError, match=r"data.path=.*nope.*train/"):
         build_splits(cfg.data)
 
 
 @pytest.mark.parametrize("name", ["cifar10", "mnist"])
-def test_torchvision_data_offline_is_a_clear_error(name: str, tmp_path: Path) -> None:
+def test_torchvision_data_offline_is_a_clear_error(
+    name: str, tmp_path: Path, compose_cfg: Callable[..., DictConfig]
+) -> None:
     cfg = compose_cfg(f"data={name}", f"paths.data_root={tmp_path}")
     with pytest.raises(ConfigError, match=r"data.root=.* holds no .*copy the dataset"):
         build_splits(cfg.data)
@@ -134,6 +135,7 @@ def test_bad_override_exits_nonzero_naming_it(tmp_path: Path, override: str, nee
         (["sampler=sequential", "sampler.shuffle=true"], "sampler.shuffle"),
         (["backend=nccl"], "backend.name=nccl"),
         (["sampler=drop_last", "data=synthetic", "data.size=1", "dist.nproc=2"], "drop_last"),
+        (["+nonsense_key=1"], "nonsense_key=1 is not a key of the config"),
     ],
 )
 def test_meaningless_values_get_one_sentence(
@@ -145,3 +147,43 @@ def test_meaningless_values_get_one_sentence(
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert needle in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_sampler_modes_are_one_table() -> None:
+    """The config enum, the sampler's mode table and conf/sampler/ name the same modes."""
+    assert [str(m) for m in SamplerMode] == list(SAMPLER_MODES)
+    assert sorted(p.stem for p in (ROOT / "conf" / "sampler").glob("*.yaml")) == sorted(
+        SAMPLER_MODES
+    )
+
+
+def test_typed_config_reaches_builders_as_schema_dataclasses(
+    compose_cfg: Callable[..., DictConfig],
+) -> None:
+    cfg = typed(compose_cfg("sampler=sequential", "optim=adamw", "logger=none"))
+    assert type(cfg.sampler).__name__ == "SamplerConfig" and cfg.sampler.shuffle is False
+    assert (str(cfg.sampler.mode), str(cfg.optim.name), str(cfg.logger.name)) == (
+        "sequential",
+        "adamw",
+        "none",
+    )
+    assert type(str(cfg.sampler.mode)) is str  # plain strings reach samplers and checkpoints
+    assert isinstance(cfg.model, DictConfig) and cfg.data._target_.endswith(".digits")
+    assert not any(
+        isinstance(getattr(cfg, f), DictConfig) for f in vars(cfg) if f not in ("model", "data")
+    )
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("+nonsense_key=1", "nonsense_key=1 is not a key of the config"),
+        ("+sampler.shufle=true", "sampler.shufle=True is not a key of the config"),
+        ("+model.widht=8", "model.widht=8 is not an argument of model._target_"),
+    ],
+)
+def test_keys_no_schema_declares_are_refused(
+    compose_cfg: Callable[..., DictConfig], override: str, needle: str
+) -> None:
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        typed(compose_cfg(override))

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,28 +22,18 @@ import numpy as np
 import pytest
 import torch
 from helpers import PY, ROOT, jsonl, run, run_env, summary, train_cmd
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from ddp_template import launch
-from ddp_template.config import register_configs
+from ddp_template.amp import autocast
+from ddp_template.boundary import typed
 from ddp_template.data.array import array_dataset
 from ddp_template.data.datasets import build_splits
-from ddp_template.engine import autocast
 from ddp_template.errors import ConfigError
 from ddp_template.models import build_model
 from ddp_template.optim import build_optimizer
 
-register_configs()
-launch.register_resolvers()
-
 EXPERIMENTS = ["digits_ddp", "cifar10_resnet18", "synthetic_throughput"]
 FAST = ["logger=none", "epochs=1", "max_steps_per_epoch=3", "checkpoint.enabled=false"]
-
-
-def compose_cfg(*overrides: str, conf: Path = ROOT / "conf") -> Any:
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 def only_run_dir(out: Path) -> Path:
@@ -80,7 +71,9 @@ def _csv_dir(root: Path, features: int = 64, header: bool = True) -> Path:
     return root
 
 
-def test_array_npz_flat_features_become_one_pixel_images(tmp_path: Path) -> None:
+def test_array_npz_flat_features_become_one_pixel_images(
+    tmp_path: Path, compose_cfg: Callable[..., DictConfig]
+) -> None:
     splits = build_splits(compose_cfg("data=array", f"data.path={_npz(tmp_path / 'd.npz')}").data)
     assert (len(splits.train), len(splits.eval)) == (40, 10)
     assert splits.info.num_classes == 4  # max label over both splits (test has a 3) + 1
@@ -89,7 +82,9 @@ def test_array_npz_flat_features_become_one_pixel_images(tmp_path: Path) -> None
     assert (splits.info.in_channels, splits.info.image_size) == (16, 1)
 
 
-def test_array_csv_folder_with_image_shape(tmp_path: Path) -> None:
+def test_array_csv_folder_with_image_shape(
+    tmp_path: Path, compose_cfg: Callable[..., DictConfig]
+) -> None:
     root = _csv_dir(tmp_path / "csv")
     cfg = compose_cfg("data=array", f"data.path={root}", "data.image_shape=[1,8,8]")
     splits = build_splits(cfg.data)
@@ -213,7 +208,7 @@ def test_own_model_and_dataset_on_two_ranks(tmp_path: Path) -> None:
     assert hydra_cfg.model._target_ == "mymodels.tiny_mlp" and hydra_cfg.model.hidden == 8
 
 
-def test_another_torchvision_model_trains_a_step() -> None:
+def test_another_torchvision_model_trains_a_step(compose_cfg: Callable[..., DictConfig]) -> None:
     cfg = compose_cfg(
         "model=torchvision",
         "model.name=shufflenet_v2_x0_5",
@@ -228,6 +223,7 @@ def test_another_torchvision_model_trains_a_step() -> None:
 
 def _one_step(cfg: Any, batch: int = 4) -> torch.Tensor:
     """Build the config's data, model and optimizer; one optimizer step; the loss."""
+    cfg = typed(cfg)
     splits = build_splits(cfg.data)
     torch.manual_seed(0)
     model = build_model(cfg.model, splits.info).train()
@@ -235,7 +231,7 @@ def _one_step(cfg: Any, batch: int = 4) -> torch.Tensor:
     items = [splits.train[i] for i in range(batch)]
     x, y = torch.stack([it[0] for it in items]), torch.tensor([it[1] for it in items])
     before = [p.detach().clone() for p in model.parameters()]
-    with autocast(cfg.amp.mode.value, torch.device("cpu")):
+    with autocast(cfg.amp.mode, torch.device("cpu")):
         loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()
     optimizer.step()
@@ -252,7 +248,7 @@ def test_every_experiment_is_listed() -> None:
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_experiment_composes_and_steps(name: str) -> None:
+def test_experiment_composes_and_steps(name: str, compose_cfg: Callable[..., DictConfig]) -> None:
     cfg = compose_cfg(f"+experiment={name}")
     expected = {
         "digits_ddp": ("small_cnn", "digits", 2, "off"),
@@ -263,7 +259,7 @@ def test_experiment_composes_and_steps(name: str) -> None:
         cfg.model._target_.rsplit(".", 1)[1],
         cfg.data._target_.rsplit(".", 1)[1],
         cfg.dist.nproc,
-        cfg.amp.mode.value,
+        cfg.amp.mode,
     )
     assert got == expected
     if name != "digits_ddp":  # CIFAR-10 cannot be had offline; the preset's shape can
@@ -289,7 +285,9 @@ def _conf_copy(tmp_path: Path) -> Path:
     return conf
 
 
-def test_local_and_debug_override_the_base_and_presets_win(tmp_path: Path) -> None:
+def test_local_and_debug_override_the_base_and_presets_win(
+    tmp_path: Path, compose_cfg: Callable[..., DictConfig]
+) -> None:
     conf = _conf_copy(tmp_path)
     (conf / "local").mkdir()
     (conf / "local" / "default.yaml").write_text("# @package _global_\nnum_workers: 3\n")
@@ -304,7 +302,9 @@ def test_local_and_debug_override_the_base_and_presets_win(tmp_path: Path) -> No
     )
 
 
-def test_local_example_overrides_and_is_optional(tmp_path: Path) -> None:
+def test_local_example_overrides_and_is_optional(
+    tmp_path: Path, compose_cfg: Callable[..., DictConfig]
+) -> None:
     conf = _conf_copy(tmp_path)
     plain = compose_cfg("data=cifar10", conf=conf)  # a fresh clone: no conf/local/ at all
     assert (plain.paths.data_root, plain.logger.entity) == ("data", None)

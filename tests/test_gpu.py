@@ -31,9 +31,10 @@ from test_syncbn import (
 )
 from torch import nn
 
+from ddp_template.amp import build_scaler, check_amp
 from ddp_template.config import AmpConfig, AmpMode
 from ddp_template.distributed import DistInfo
-from ddp_template.engine import Trainer, _step, check_amp, make_scaler
+from ddp_template.engine import Trainer, _step
 from ddp_template.models import convert_syncbn, small_cnn
 from ddp_template.sync_batchnorm import convert_sync_batchnorm
 
@@ -148,18 +149,26 @@ def test_amp_trains_a_few_steps_on_cuda(mode: str) -> None:
     model = small_cnn(num_classes=4, in_channels=3, image_size=16).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     cfg = AmpConfig(mode=AmpMode(mode), init_scale=2.0**16, growth_interval=2000)
-    scaler = make_scaler(cfg, device)
+    scaler = build_scaler(cfg, device)
     assert scaler.is_enabled() is (mode == "fp16")
-    info = DistInfo(0, 0, 1, 1, None, device, "localhost")
+    info = DistInfo(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        backend=None,
+        device=device,
+        host="localhost",
+    )
     tr = Trainer(
-        model,
-        opt,
-        torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
-        scaler,
-        None,
-        None,
-        info,
-        mode,
+        model=model,
+        optimizer=opt,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
+        scaler=scaler,
+        loader=None,
+        sampler=None,
+        info=info,
+        amp_mode=mode,
         grad_clip=5.0,
     )
     g = torch.Generator(device="cpu").manual_seed(0)

@@ -23,6 +23,7 @@ from helpers import (
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_template.data.accounting import fingerprint
+from ddp_template.data.samplers import SAMPLER_MODES
 
 TINY = ["logger=none", "epochs=1", "max_steps_per_epoch=4"]
 
@@ -119,7 +120,7 @@ def test_two_nodes_two_ranks_each_on_localhost(tmp_path: Path) -> None:
 def test_help_lists_groups_and_launch_commands() -> None:
     proc = run([PY, str(ROOT / "train.py"), "--help"], timeout=60)
     for line in (
-        "sampler     drop_last, padded, sequential",
+        f"sampler     {', '.join(sorted(SAMPLER_MODES))}",
         "amp         bf16, fp16, off",
         "torchrun --standalone --nproc-per-node=2 train.py",
         "dist.nproc=2",
@@ -132,7 +133,7 @@ def test_help_lists_groups_and_launch_commands() -> None:
 
 @pytest.mark.parametrize("env_key", ["TORCHELASTIC_RUN_ID", "RUN_ID"])
 def test_run_id_sources(env_key: str) -> None:
-    from ddp_template.launch import compute_run_id
+    from ddp_template.run_identity import compute_run_id
 
     assert compute_run_id({env_key: "abc"}) == "abc"
     multi = {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}

@@ -1,4 +1,4 @@
-"""ShardSampler and EvalShardSampler: torch's DistributedSampler is the oracle, DESIGN.md §3
+"""ShardSampler and EvalShardSampler: torch's DistributedSampler is the oracle, docs/ARCHITECTURE.md
 the spec."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from scipy.stats import chi2, chisquare
 from torch.utils.data.distributed import DistributedSampler
 
+from ddp_template.data.eval_sampler import EvalShardSampler
+from ddp_template.data.feistel import FeistelPermutation
 from ddp_template.data.samplers import (
     AUTO_FEISTEL_THRESHOLD,
-    EvalShardSampler,
-    FeistelPermutation,
     ShardSampler,
 )
 
@@ -41,7 +41,7 @@ def all_ranks(n: int, w: int, **kwargs) -> list[list[int]]:
 
 
 def global_list(ranks: list[list[int]], mode: str) -> list[int]:
-    """Undo the rank split: slot j of the global list, as DESIGN.md §3 defines it."""
+    """Undo the rank split: slot j of the global list, as docs/ARCHITECTURE.md defines it."""
     if mode == "sequential":
         return [i for shard in ranks for i in shard]
     w = len(ranks)
@@ -81,8 +81,8 @@ def test_iteration_yields_python_ints() -> None:
         assert all(type(v) is int for v in values)
 
 
-# --------------------------------------------------------------------------- DESIGN.md table
-DESIGN_TABLE = {
+# ------------------------------------------------------------------ docs/ARCHITECTURE.md table
+LAYOUT_TABLE = {
     ("padded", 11, 2): [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 0]],
     ("padded", 10, 4): [[0, 4, 8], [1, 5, 9], [2, 6, 0], [3, 7, 1]],
     ("drop_last", 11, 2): [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]],
@@ -92,11 +92,11 @@ DESIGN_TABLE = {
 }
 
 
-@pytest.mark.parametrize(("mode", "n", "w"), list(DESIGN_TABLE))
+@pytest.mark.parametrize(("mode", "n", "w"), list(LAYOUT_TABLE))
 @pytest.mark.parametrize("permutation", ["randperm", "feistel", "auto"])
 def test_design_table_without_shuffle(mode: str, n: int, w: int, permutation: str) -> None:
     got = all_ranks(n, w, shuffle=False, mode=mode, permutation=permutation)
-    assert got == DESIGN_TABLE[(mode, n, w)]
+    assert got == LAYOUT_TABLE[(mode, n, w)]
 
 
 def test_design_shuffled_example() -> None:

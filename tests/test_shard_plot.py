@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ddp_template.data.samplers import ShardSampler
+from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
 from ddp_template.shard_plot import (
-    MODES,
     ShardLayout,
     draw_layout,
     layout_from_sampler,
@@ -23,7 +22,8 @@ from ddp_template.shard_plot import (
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
-# DESIGN.md §3, N=11 and W=2 without shuffling: (rank 0, rank 1, padding slots of rank 1)
+# docs/ARCHITECTURE.md's sampler table, N=11 and W=2 without shuffling:
+# (rank 0, rank 1, padding slots of rank 1)
 TABLE_11_2 = {
     "padded": ([0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 0], [5]),
     "drop_last": ([0, 2, 4, 6, 8], [1, 3, 5, 7, 9], []),
@@ -41,9 +41,9 @@ def _png_size(path: Path) -> tuple[int, int]:
         return image.size
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", list(SAMPLER_MODES))
 def test_layout_from_sampler_matches_the_design_table(mode: str) -> None:
-    layout = layout_from_sampler(ShardSampler, 11, 2, mode, shuffle=False, seed=0)
+    layout = layout_from_sampler(ShardSampler(range(11), 2, 0, shuffle=False, seed=0, mode=mode))
     rank0, rank1, pad1 = TABLE_11_2[mode]
     assert (layout.mode, layout.num_samples, layout.world_size) == (mode, 11, 2)
     assert [r.tolist() for r in layout.ranks] == [rank0, rank1]
@@ -53,10 +53,14 @@ def test_layout_from_sampler_matches_the_design_table(mode: str) -> None:
 
 
 def test_layout_from_sampler_shuffled_and_uneven() -> None:
-    shuffled = layout_from_sampler(ShardSampler, 11, 2, "padded", shuffle=True, seed=0)
+    shuffled = layout_from_sampler(
+        ShardSampler(range(11), 2, 0, shuffle=True, seed=0, mode="padded")
+    )
     assert [r.tolist() for r in shuffled.ranks] == [[10, 4, 5, 2, 9, 6], [0, 3, 8, 1, 7, 10]]
     assert shuffled.padding[1].tolist() == [False] * 5 + [True]
-    seq = layout_from_sampler(ShardSampler, 10, 4, "sequential", shuffle=False, seed=0)
+    seq = layout_from_sampler(
+        ShardSampler(range(10), 4, 0, shuffle=False, seed=0, mode="sequential")
+    )
     assert [r.tolist() for r in seq.ranks] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 0, 1]]
     assert seq.padding[3].tolist() == [False, True, True]
 
@@ -75,7 +79,9 @@ def test_cli_entry_point(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_save_layout_png_for_a_run(tmp_path: Path) -> None:
-    layout = layout_from_sampler(ShardSampler, 50, 3, "drop_last", shuffle=True, seed=1)
+    layout = layout_from_sampler(
+        ShardSampler(range(50), 3, 0, shuffle=True, seed=1, mode="drop_last")
+    )
     _png_size(save_layout_png(tmp_path / "run" / "shards.png", layout, title="run-x"))
 
 

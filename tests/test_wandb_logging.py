@@ -1,8 +1,9 @@
 """Per-rank W&B runs read back from the offline files: who saw what, per sampler mode.
 
 The expected per-rank samples and fingerprints are recomputed here from torch's own
-DistributedSampler (padded, drop_last) and from the DESIGN.md definition (sequential), so a
-template that shards wrongly, forgets set_epoch or logs the wrong rank fails these tests.
+DistributedSampler (padded, drop_last) and from the definition in docs/ARCHITECTURE.md
+(sequential), so a template that shards wrongly, forgets set_epoch or logs the wrong rank fails
+these tests.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def check_amp(mode: str, device: torch.device) -> None:
     """Refuse an AMP mode this device/build cannot run, at startup rather than mid-run."""
+    mode = str(mode)
     if mode == "off":
         return
     dtype = AMP_DTYPES[mode]
@@ -35,7 +36,7 @@ def check_amp(mode: str, device: torch.device) -> None:
 def autocast(mode: str, device: torch.device) -> contextlib.AbstractContextManager:
     if mode == "off":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=AMP_DTYPES[mode])
+    return torch.autocast(device.type, dtype=AMP_DTYPES[str(mode)])
 
 
 def build_scaler(cfg: AmpConfig, device: torch.device) -> torch.amp.GradScaler:

@@ -11,6 +11,7 @@ on this device, the backend, the fault settings — before any process group or 
 from __future__ import annotations
 
 import inspect
+import os
 import signal
 from dataclasses import fields, is_dataclass
 from typing import Any
@@ -18,10 +19,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ddp_template import cluster
 from ddp_template.amp import check_amp
 from ddp_template.config import Config
 from ddp_template.data.samplers import SAMPLER_MODES
-from ddp_template.distributed import choose_backend
+from ddp_template.distributed import LAUNCHER_VAR, choose_backend, launched_by_torchrun
 from ddp_template.errors import ConfigError
 
 INSTANTIATED = ("model", "data")  # groups Hydra instantiates: their keys go to the _target_
@@ -91,6 +93,7 @@ def check(cfg: Config) -> None:
     """Every startup check, before any process group, data, model or W&B run exists."""
     _check_sizes(cfg)
     _check_sampler(cfg)
+    _check_launch(cfg)
     _require(
         cfg.fault.signal is None or hasattr(signal, str(cfg.fault.signal)),
         f"fault.signal={cfg.fault.signal} is not a signal name; use e.g. SIGTERM or SIGUSR1.",
@@ -123,6 +126,21 @@ def _check_sizes(cfg: Config) -> None:
     _require(
         cfg.checkpoint.preempt_check_every >= 1,
         f"checkpoint.preempt_check_every={cfg.checkpoint.preempt_check_every} must be >= 1.",
+    )
+
+
+def _check_launch(cfg: Config) -> None:
+    """A launcher already started this rank: dist.nproc must not start more ranks inside it."""
+    if cfg.dist.nproc == 1 or not launched_by_torchrun():
+        return
+    outer = cluster.detect()
+    launcher = os.environ.get(LAUNCHER_VAR, outer.launcher)
+    _require(
+        cfg.dist.nproc == outer.local_world_size,
+        f"dist.nproc={cfg.dist.nproc} would start ranks inside rank {outer.rank} of "
+        f"{outer.world_size} that {launcher} already started ({outer.local_world_size} on this "
+        f"node); drop dist.nproc (the launcher starts the ranks) or set it to "
+        f"{outer.local_world_size}.",
     )
 
 

@@ -136,11 +136,16 @@ class Checkpointer:
             "config": self.config_yaml,
         }
 
+    @property
+    def last(self) -> Path | None:
+        """The newest checkpoint's path (None with checkpoint.enabled=false)."""
+        return self.directory / "last.pt" if self.cfg.enabled else None
+
     def save(self, state: TrainState, epoch_end: bool = False) -> Path | None:
-        if not self.cfg.enabled:
+        path = self.last
+        if path is None:
             return None
         payload = self.payload(state)
-        path = self.directory / "last.pt"
         if self.info.is_main:
             save_atomic(payload, path)
             if epoch_end and self.cfg.keep > 0:

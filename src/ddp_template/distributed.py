@@ -1,14 +1,16 @@
 """Process-group setup and teardown, rank information, device and backend choice.
 
 Everything here reads torchrun's environment contract (RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), which the in-process launcher and SLURM recipes
-also provide, so one code path serves every way of starting a run.
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). torchrun and the in-process launcher set it;
+``adopt_launcher`` translates srun's, mpirun's, horovodrun's and jsrun's own variables into it
+(``cluster.py`` reads them), so one code path serves every way of starting a run.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddp_template import cluster
 from ddp_template.config import BackendConfig
 from ddp_template.errors import ConfigError
 
@@ -29,6 +32,8 @@ class DistInfo:
     backend: str | None  # None: no process group (a single plain process)
     device: torch.device
     host: str
+    launcher: str = "none"  # who started the ranks: torchrun, dist.nproc, slurm, openmpi, ...
+    master: str | None = None  # the rendezvous address:port
 
     @property
     def is_main(self) -> bool:
@@ -37,6 +42,31 @@ class DistInfo:
     @property
     def distributed(self) -> bool:
         return self.backend is not None
+
+    def describe(self) -> str:
+        """Rank 0's first log line: who started the ranks, how many, and where they meet."""
+        where = f", master {self.master}" if self.master else ""
+        return (
+            f"launcher {self.launcher}: world size {self.world_size}{where}, backend {self.backend}"
+        )
+
+
+LAUNCHER_VAR = "DDP_TEMPLATE_LAUNCHER"  # the launcher as first detected, inherited by ranks
+
+
+def adopt_launcher(env: MutableMapping[str, str] | None = None) -> cluster.ClusterEnv:
+    """Call once per process, before Hydra composes: ranks started by srun, mpirun, horovodrun
+    or jsrun get torchrun's variables, so every later step (Hydra's run dir included) reads one
+    contract, and the launcher's job id as ``RUN_ID``: one run dir, found again after a requeue.
+    """
+    env = os.environ if env is None else env
+    found = cluster.detect(env)
+    env.setdefault(LAUNCHER_VAR, found.launcher)
+    if found.multi_process and found.launcher != "torchrun":
+        env.update(cluster.torch_env(found))
+        if found.job_id:
+            env.setdefault("RUN_ID", found.job_id)
+    return found
 
 
 def launched_by_torchrun() -> bool:
@@ -105,37 +135,31 @@ def setup(cfg: BackendConfig) -> DistInfo:
     """The ``backend`` group's builder: join the process group the environment describes (a
     plain process joins none), on the device this rank owns."""
     host = socket.gethostname()
+    launcher = os.environ.get(LAUNCHER_VAR, "none")
     if not launched_by_torchrun():
         device = choose_device(choose_backend(cfg.name), 0)
-        return DistInfo(
-            rank=0,
-            local_rank=0,
-            world_size=1,
-            local_world_size=1,
-            backend=None,
-            device=device,
-            host=host,
-        )
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        single = dict(rank=0, local_rank=0, world_size=1, local_world_size=1, backend=None)
+        return DistInfo(**single, device=device, host=host, launcher=launcher)
+    ranks = cluster.detect()  # torchrun's variables, set by torchrun or by adopt_launcher
     backend = choose_backend(cfg.name)
-    device = choose_device(backend, local_rank)
-    _share_cpu_threads(local_world)
+    device = choose_device(backend, ranks.local_rank)
+    _share_cpu_threads(ranks.local_world_size)
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=cfg.timeout_s)}
-    kwargs.update(_restart_safe_store(world, kwargs["timeout"]))
+    kwargs.update(_restart_safe_store(ranks.world_size, kwargs["timeout"]))
     if device.type == "cuda":
         kwargs["device_id"] = device  # binds NCCL to this GPU and avoids a lazy guess
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
+        dist.init_process_group(backend, rank=ranks.rank, world_size=ranks.world_size, **kwargs)
     return DistInfo(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world,
-        local_world_size=local_world,
+        rank=ranks.rank,
+        local_rank=ranks.local_rank,
+        world_size=ranks.world_size,
+        local_world_size=ranks.local_world_size,
         backend=backend,
         device=device,
         host=host,
+        launcher=launcher,
+        master=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
     )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 EXIT_CONFIG_ERROR = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a scheduler should requeue the job
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 class ConfigError(ValueError):

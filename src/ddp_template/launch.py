@@ -6,15 +6,19 @@ compose Hydra again) and rendezvous on a free localhost port, so concurrent runs
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
+import psutil
+
 from ddp_template.config import Config
-from ddp_template.distributed import launched_by_torchrun
-from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_PREEMPTED
+from ddp_template.distributed import LAUNCHER_VAR, launched_by_torchrun
+from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED
 from ddp_template.run_identity import RunInfo
 
 
@@ -52,6 +56,7 @@ def launch(fn: Any, cfg: Config, run: RunInfo) -> Any:
     """
     if launched_by_torchrun() or cfg.dist.nproc == 1:
         return fn(cfg, run)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -67,18 +72,41 @@ def launch(fn: Any, cfg: Config, run: RunInfo) -> Any:
         start_method=str(cfg.dist.start_method),
     )
     os.environ["RUN_ID"] = run.run_id  # workers inherit it: one id, also after restarts
-    # The agent logs its own internal traceback for every failed worker; the worker's own
-    # message (or traceback, printed below) is the one a user needs.
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    os.environ[LAUNCHER_VAR] = "dist.nproc"
+    _quiet_agent()
     try:
         results = elastic_launch(config, _importable(fn))(cfg, run)
+    except SignalException as exc:  # Ctrl-C or SIGTERM reached this process too
+        _kill_workers()  # they have checkpointed and left, unless a second Ctrl-C came first
+        interrupted = exc.sigval == signal.SIGINT
+        raise SystemExit(EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED) from None
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        if failure.exitcode in (EXIT_CONFIG_ERROR, EXIT_PREEMPTED):  # the rank said why
-            raise SystemExit(failure.exitcode) from None
+        if failure.exitcode in (EXIT_CONFIG_ERROR, EXIT_PREEMPTED, EXIT_INTERRUPTED):
+            raise SystemExit(failure.exitcode) from None  # the rank said why
         message = failure.message
         if isinstance(message, dict):
             message = message.get("extraInfo", {}).get("py_callstack") or message.get("message")
         print(f"rank {rank} failed (exit code {failure.exitcode}):\n{message}", file=sys.stderr)
         raise SystemExit(failure.exitcode if failure.exitcode > 0 else 1) from None
     return results[0]
+
+
+class _DropSignalNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "death signal" not in str(record.msg)
+
+
+def _quiet_agent() -> None:
+    """The agent logs its own traceback for every failed worker and a notice for every signal;
+    the worker's own message (or traceback, printed by ``launch``) is the one a user needs."""
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    if not any(isinstance(f, _DropSignalNotice) for f in agent_log.filters):
+        agent_log.addFilter(_DropSignalNotice())
+
+
+def _kill_workers() -> None:
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()

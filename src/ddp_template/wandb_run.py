@@ -31,6 +31,7 @@ def _init_kwargs(
         world_size=info.world_size,
         host=info.host,
         backend=info.backend or "none",
+        launcher=info.launcher,
         sampler=config["sampler"]["mode"],
     )
     return dict(

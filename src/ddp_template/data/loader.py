@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import random
 import select
+import signal
 import threading
 import time
 from typing import Any
@@ -35,6 +36,9 @@ def init_worker(worker_id: int, rank_pid: int) -> None:
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
+    # Ctrl-C reaches the whole process group; the rank decides when to stop, and its workers
+    # go with it (the watchdog below), not mid-batch.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(
         target=_exit_when_gone, args=(rank_pid,), name="rank-watchdog", daemon=True
     ).start()
