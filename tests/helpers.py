@@ -84,17 +84,27 @@ def run(
     check: bool = True,
     leftovers: float | None = 60,
     cwd: Path = ROOT,
+    new_session: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run ``cmd`` to the end; its output goes to files, so a stray process cannot hang us.
 
     Afterwards no process it started may still run ``leftovers`` s later (a leak: orphaned loader
     workers hold memory and the terminal); ``leftovers=None`` for commands that hand work to
-    others on purpose (sbatch). On a timeout everything it started is killed.
+    others on purpose (sbatch). On a timeout everything it started is killed. ``new_session``
+    gives the command its own process group, as a shell does, for signals sent to the group.
     """
     token = uuid.uuid4().hex
     env = {**(env or run_env()), RUN_TOKEN: token}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True)
+        p = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=err,
+            text=True,
+            start_new_session=new_session,
+        )
         try:
             p.wait(timeout=timeout)
             timed_out = False

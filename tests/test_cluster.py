@@ -423,3 +423,53 @@ def test_parse_tasks_per_node(text: str, counts: list[int]) -> None:
 def test_parse_tasks_per_node_rejects_malformed(text: str) -> None:
     with pytest.raises(ValueError):
         parse_tasks_per_node(text)
+
+
+# --------------------------------------------------------------------- adopting a launch
+def test_adopt_launcher_gives_srun_tasks_torchruns_contract_and_the_jobs_run_id() -> None:
+    from ddp_template.distributed import LAUNCHER_VAR, adopt_launcher
+
+    env = dict(SLURM_TASK)
+    found = adopt_launcher(env)
+    assert (found.launcher, found.rank, found.world_size) == ("slurm", 3, 4)
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")} == {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+    }
+    assert env["MASTER_ADDR"] == "gpu01" and env["RUN_ID"] == "slurm-123456-s0"
+    assert env[LAUNCHER_VAR] == "slurm"
+    assert detect(env).launcher == "torchrun"  # from now on one contract: torchrun's
+    chosen = dict(SLURM_TASK, RUN_ID="mine")
+    adopt_launcher(chosen)
+    assert chosen["RUN_ID"] == "mine"  # the user's RUN_ID wins
+
+
+@pytest.mark.parametrize("env", [SLURM_BATCH, SLURM_ONE_TASK, {}])
+def test_adopt_launcher_leaves_a_single_process_alone(env: dict[str, str]) -> None:
+    from ddp_template.distributed import adopt_launcher
+
+    env = dict(env)
+    adopt_launcher(env)
+    assert not {"RANK", "WORLD_SIZE", "RUN_ID"} & set(env)
+
+
+@pytest.mark.parametrize(("nproc", "refused"), [(1, False), (2, False), (4, True)])
+def test_dist_nproc_inside_a_launch_is_refused_unless_it_matches(
+    monkeypatch: pytest.MonkeyPatch, nproc: int, refused: bool
+) -> None:
+    """`srun -n 2 python train.py dist.nproc=4` must not start ranks inside ranks."""
+    from ddp_template.boundary import _check_launch
+    from ddp_template.config import Config
+
+    for key, value in env_of("RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("DDP_TEMPLATE_LAUNCHER", "slurm")
+    cfg = Config()
+    cfg.dist.nproc = nproc
+    if refused:
+        with pytest.raises(ConfigError, match=r"dist.nproc=4 .* that slurm already started"):
+            _check_launch(cfg)
+    else:
+        _check_launch(cfg)

@@ -16,7 +16,7 @@ from helpers import PY, ROOT, TORCHRUN, jsonl, run, run_env, torchrun, train_cmd
 from wandb_reader import find_runs
 
 from ddp_template import checkpoint
-from ddp_template.errors import EXIT_PREEMPTED
+from ddp_template.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 BASE = [
     "data=synthetic",
@@ -39,10 +39,11 @@ def launch(
     nproc_flag: bool = True,
     check: bool = True,
     launcher: list[str] | None = None,
+    new_session: bool = False,
 ) -> subprocess.CompletedProcess:
     extra = ["dist.nproc=2"] if nproc_flag else []
     cmd = train_cmd(out, *BASE, *extra, *overrides, launcher=launcher)
-    return run(cmd, env=run_env(RUN_ID=run_id), check=check)
+    return run(cmd, env=run_env(RUN_ID=run_id), check=check, new_session=new_session)
 
 
 def final_model(out: Path, run_id: str) -> dict[str, torch.Tensor]:
@@ -122,6 +123,30 @@ def test_sigterm_checkpoints_exits_75_then_resumes(
     for rank in (0, 1):
         mine = [r for r in runs if r.config["rank"] == rank]
         assert len(mine) == 2 and len({r.run_id for r in mine}) == 1
+
+
+def test_ctrl_c_stops_every_rank_at_one_step_exits_130_and_resumes(
+    reference, tmp_path: Path
+) -> None:
+    """SIGINT to the whole process group mid-epoch, as a terminal's Ctrl-C: the launcher and
+    both ranks get it (and the launcher forwards it again); one line, exit 130, nothing left."""
+    ctrl_c = [
+        "checkpoint.preempt_check_every=1",
+        "fault.crash_at_step=11",
+        "fault.rank=1",
+        "fault.signal=SIGINT",
+        "fault.process_group=true",
+    ]
+    proc = launch(tmp_path, "ctrlc", "logger=none", *ctrl_c, check=False, new_session=True)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_INTERRUPTED, output[-3000:]
+    said = [line for line in output.splitlines() if "interrupted at step" in line]
+    assert len(said) == 1 and "resume with: RUN_ID=ctrlc python" in said[0], output[-3000:]
+    assert "Traceback" not in output and "SignalException" not in output, output[-3000:]
+    stopped = torch.load(tmp_path / "outputs/ctrlc/checkpoints/last.pt", weights_only=True)
+    assert 12 <= stopped["step"] <= 13 and f"step {stopped['step']}" in said[0]
+    launch(tmp_path, "ctrlc", "logger=none", *ctrl_c, new_session=True)  # the same command
+    assert_identical(reference["off"], final_model(tmp_path, "ctrlc"))
 
 
 def test_torchrun_max_restarts_recovers_identically(reference, tmp_path: Path) -> None:

@@ -124,3 +124,48 @@ def test_sbatch_recipe_runs_two_ranks_in_a_run_dir_named_after_the_job(
     assert runs == [job_id], (runs, log.read_text()[-4000:] if log.exists() else "")
     result = assert_both_ranks_trained(tmp_path / "outputs" / job_id)
     assert result["run_id"] == job_id
+
+
+def assert_one_job_of_two_ranks(run_dir: Path, launcher: str) -> None:
+    """Both ranks' samples make up the training set exactly once: disjoint shards, one job."""
+    assert_both_ranks_trained(run_dir)
+    fingerprints = [
+        [
+            r["data/fingerprint"]
+            for r in jsonl(run_dir / f"rank{k}" / "metrics.jsonl")
+            if "data/fingerprint" in r
+        ]
+        for k in (0, 1)
+    ]
+    assert fingerprints[0] != fingerprints[1], fingerprints
+    shards = [r for r in jsonl(run_dir / "rank0" / "metrics.jsonl") if "shards/coverage" in r]
+    assert [(r["shards/coverage"], r["shards/overlap"]) for r in shards] == [(1.0, 0)]
+    assert f"launcher {launcher}: world size 2" in (run_dir / "train.log").read_text()
+
+
+def test_srun_tasks_join_one_job(slurm: None, tmp_path: Path) -> None:
+    """`srun -n 2 python train.py`: two tasks, one DDP job (not two copies of world size 1)."""
+    out = tmp_path / "outputs"
+    cmd = ["srun", "-n", "2", PY, str(ROOT / "train.py"), *TINY, f"paths.output_root={out}"]
+    run(cmd, timeout=120)
+    [run_dir] = list(out.iterdir())
+    assert run_dir.name.startswith("slurm-") and run_dir.name.endswith("-s0"), run_dir.name
+    assert_one_job_of_two_ranks(run_dir, "slurm")
+
+
+def test_sbatch_script_calling_srun_runs_one_job(slurm: None, tmp_path: Path) -> None:
+    out = tmp_path / "outputs"
+    script = tmp_path / "job.sbatch"
+    overrides = " ".join([*TINY, f"paths.output_root={out}"])
+    script.write_text(f"#!/bin/bash\nsrun {PY} {ROOT / 'train.py'} {overrides}\n")
+    log = tmp_path / "job.out"
+    proc = run(
+        ["sbatch", "--parsable", "--ntasks=2", f"--output={log}", str(script)],
+        timeout=30,
+        leftovers=None,
+    )
+    job_id = proc.stdout.strip().split(";")[0]
+    wait_gone(job_id, timeout=120, log=log)
+    runs = [p.name for p in out.iterdir()] if out.exists() else []
+    assert runs == [f"slurm-{job_id}-s0"], (runs, log.read_text()[-4000:])
+    assert_one_job_of_two_ranks(out / runs[0], "slurm")

@@ -212,6 +212,7 @@ class FaultConfig:
     crash_at_step: int | None = None
     rank: int = 0
     signal: str | None = None  # e.g. SIGTERM: send it instead of raising
+    process_group: bool = False  # send the signal to the whole process group (like Ctrl-C)
     attempt: int = 0  # only on this elastic restart attempt (so the restart can finish)
 
 

@@ -1,7 +1,9 @@
 """Fault injection (``fault.*``): testing aids for resume, preemption and elastic restarts.
 
 Off by default. ``fault.crash_at_step=K fault.rank=R`` makes rank R raise after optimizer step
-K; with ``fault.signal=SIGTERM`` (or SIGUSR1, SIGKILL…) it sends itself that signal instead.
+K; with ``fault.signal=SIGTERM`` (or SIGUSR1, SIGKILL…) it sends itself that signal instead, or
+with ``fault.process_group=true`` sends it to its whole process group, as a terminal's Ctrl-C
+does (the launcher, every rank on this node and their loader workers).
 ``fault.attempt`` limits it to one elastic restart attempt, so the restarted group can finish.
 """
 
@@ -20,6 +22,10 @@ def maybe_fire(fault: FaultConfig, step: int, rank: int) -> None:
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != fault.attempt:
         return
     if fault.signal is not None:
-        os.kill(os.getpid(), getattr(signal, str(fault.signal)))
+        sig = getattr(signal, str(fault.signal))
+        if fault.process_group:
+            os.killpg(os.getpgid(0), sig)
+        else:
+            os.kill(os.getpid(), sig)
         return
     raise RuntimeError(f"fault injected: rank {rank} crashes after step {step}")

@@ -107,6 +107,9 @@ def _quiet_agent() -> None:
 
 
 def _kill_workers() -> None:
-    for child in psutil.Process().children(recursive=True):
+    """Kill the ranks still running (not multiprocessing's resource tracker: this process
+    still needs it to clean up at exit)."""
+    for child in psutil.Process().children():
         with contextlib.suppress(psutil.Error):
-            child.kill()
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                child.kill()
