@@ -79,6 +79,7 @@ def _reap(token: str, grace: float) -> list[str]:
 
 def run(
     cmd: list[str],
+    *,
     timeout: float = 240,
     env: dict[str, str] | None = None,
     check: bool = True,

@@ -61,7 +61,9 @@ def test_matches_torch_distributed_sampler(n: int, w: int) -> None:
                         Sized(n), w, r, shuffle=shuffle, seed=seed, drop_last=drop_last
                     )
                     torch_sampler.set_epoch(epoch)
-                    ours = ShardSampler(Sized(n), w, r, shuffle, seed, mode, permutation)
+                    ours = ShardSampler(
+                        Sized(n), w, r, shuffle, seed, mode=mode, permutation=permutation
+                    )
                     ours.set_epoch(epoch)
                     expected = list(torch_sampler)
                     assert list(ours) == expected
@@ -128,7 +130,15 @@ def build_all(a: dict) -> list[ShardSampler]:
     shuffle = a["shuffle"] and a["mode"] != "sequential"
     samplers = []
     for r in range(a["w"]):
-        s = ShardSampler(Sized(a["n"]), a["w"], r, shuffle, a["seed"], a["mode"], a["permutation"])
+        s = ShardSampler(
+            Sized(a["n"]),
+            a["w"],
+            r,
+            shuffle,
+            a["seed"],
+            mode=a["mode"],
+            permutation=a["permutation"],
+        )
         s.set_epoch(a["epoch"])
         samplers.append(s)
     return samplers
@@ -304,12 +314,12 @@ def test_sampler_at_ten_billion() -> None:
 def test_resume_yields_the_tail(mode: str, permutation: str) -> None:
     shuffle = mode != "sequential"
     n, w, epoch = 6000 + 7, 3, 4
-    reference = ShardSampler(Sized(n), w, 2, shuffle, 11, mode, permutation)
+    reference = ShardSampler(Sized(n), w, 2, shuffle, 11, mode=mode, permutation=permutation)
     reference.set_epoch(epoch)
     full = list(reference)
     for position in [0, 1, 1023, 1024, 1025, len(full) - 1, len(full)]:
         state = reference.state_dict(position)
-        resumed = ShardSampler(Sized(n), w, 2, shuffle, 11, mode, permutation)
+        resumed = ShardSampler(Sized(n), w, 2, shuffle, 11, mode=mode, permutation=permutation)
         resumed.load_state_dict(state)
         assert resumed.epoch == epoch
         resumed.set_epoch(epoch)  # the usual loop calls set_epoch; same epoch keeps the offset
@@ -357,8 +367,8 @@ def test_load_state_dict_refuses_mismatches(key: str, kwargs: dict) -> None:
         args["rank"],
         args["shuffle"],
         args["seed"],
-        args["mode"],
-        args["permutation"],
+        mode=args["mode"],
+        permutation=args["permutation"],
     )
     with pytest.raises(ValueError, match=f"'{key}'") as info:
         other.load_state_dict(saved)

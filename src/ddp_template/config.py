@@ -192,7 +192,7 @@ class LoggerConfig:
 class DistConfig:
     nproc: int = 1  # ranks started in-process when no outer launcher (torchrun, SLURM) is used
     max_restarts: int = 0  # elastic restarts of all workers after a failure (like torchrun's)
-    start_method: StartMethod = StartMethod.spawn
+    start_method: StartMethod = StartMethod.forkserver
 
 
 @dataclass

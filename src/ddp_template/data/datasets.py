@@ -103,6 +103,7 @@ class SyntheticImages(Dataset):
 
     def __init__(
         self,
+        *,
         size: int,
         split: int,
         channels: int,
@@ -132,6 +133,7 @@ class SyntheticImages(Dataset):
 
 
 def synthetic(
+    *,
     size: int = 4096,
     eval_size: int = 1024,
     channels: int = 3,
@@ -150,9 +152,12 @@ def synthetic(
     ):
         if value < 1:
             raise ConfigError(f"data.{key}={value} must be at least 1.")
-    args = (channels, image_size, num_classes, noise, seed)
+    common = dict(
+        channels=channels, image_size=image_size, num_classes=num_classes, noise=noise, seed=seed
+    )
+    train = SyntheticImages(size=size, split=0, **common)
     info = DataInfo(num_classes=num_classes, in_channels=channels, image_size=image_size)
-    return Splits(SyntheticImages(size, 0, *args), SyntheticImages(eval_size, 1, *args), info)
+    return Splits(train, SyntheticImages(size=eval_size, split=1, **common), info)
 
 
 def _torchvision_splits(

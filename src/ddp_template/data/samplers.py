@@ -120,6 +120,7 @@ class ShardSampler(Sampler[int]):
         rank: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
+        *,
         mode: str = "padded",
         permutation: str = "auto",
     ) -> None:
