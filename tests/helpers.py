@@ -151,3 +151,24 @@ def summary(run_dir: Path) -> dict:
 
 def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def step_trainer(*, model, optimizer, scaler, device, amp_mode: str, grad_clip: float):
+    """A one-process Trainer with a constant learning rate, for tests of a single step."""
+    import torch
+
+    from ddp_template.distributed import DistInfo
+    from ddp_template.engine import Trainer
+
+    single = dict(rank=0, local_rank=0, world_size=1, local_world_size=1, backend=None)
+    return Trainer(
+        model=model,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+        scaler=scaler,
+        loader=None,
+        sampler=None,
+        info=DistInfo(**single, device=device, host="localhost"),
+        amp_mode=amp_mode,
+        grad_clip=grad_clip,
+    )

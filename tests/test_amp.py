@@ -15,13 +15,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import jsonl, run, run_env, summary, train_cmd
+from helpers import jsonl, run, run_env, step_trainer, summary, train_cmd
 from torch import nn
 
 from ddp_template.amp import build_scaler, check_amp
 from ddp_template.config import AmpConfig, AmpMode
-from ddp_template.distributed import DistInfo
-from ddp_template.engine import Trainer, _step
+from ddp_template.engine import _step
 from ddp_template.errors import ConfigError
 
 CPU = torch.device("cpu")
@@ -211,23 +210,11 @@ def test_gradients_are_unscaled_before_clipping() -> None:
     clip = true_norm / 4  # clipping must bite
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     cfg = AmpConfig(mode=AmpMode.fp16, init_scale=2.0**10, growth_interval=2000)
-    info = DistInfo(
-        rank=0,
-        local_rank=0,
-        world_size=1,
-        local_world_size=1,
-        backend=None,
-        device=CPU,
-        host="localhost",
-    )
-    tr = Trainer(
+    tr = step_trainer(
         model=model,
         optimizer=opt,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
         scaler=build_scaler(cfg, CPU),
-        loader=None,
-        sampler=None,
-        info=info,
+        device=CPU,
         amp_mode="fp16",
         grad_clip=clip,
     )

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port, run, summary, torchrun, train_cmd
+from helpers import free_port, run, step_trainer, summary, torchrun, train_cmd
 from test_syncbn import (
     GLOBAL_BATCH,
     combined_grads,
@@ -33,8 +33,7 @@ from torch import nn
 
 from ddp_template.amp import build_scaler, check_amp
 from ddp_template.config import AmpConfig, AmpMode
-from ddp_template.distributed import DistInfo
-from ddp_template.engine import Trainer, _step
+from ddp_template.engine import _step
 from ddp_template.models import convert_syncbn, small_cnn
 from ddp_template.sync_batchnorm import convert_sync_batchnorm
 
@@ -151,25 +150,8 @@ def test_amp_trains_a_few_steps_on_cuda(mode: str) -> None:
     cfg = AmpConfig(mode=AmpMode(mode), init_scale=2.0**16, growth_interval=2000)
     scaler = build_scaler(cfg, device)
     assert scaler.is_enabled() is (mode == "fp16")
-    info = DistInfo(
-        rank=0,
-        local_rank=0,
-        world_size=1,
-        local_world_size=1,
-        backend=None,
-        device=device,
-        host="localhost",
-    )
-    tr = Trainer(
-        model=model,
-        optimizer=opt,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
-        scaler=scaler,
-        loader=None,
-        sampler=None,
-        info=info,
-        amp_mode=mode,
-        grad_clip=5.0,
+    tr = step_trainer(
+        model=model, optimizer=opt, scaler=scaler, device=device, amp_mode=mode, grad_clip=5.0
     )
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(32, 3, 16, 16, generator=g).to(device)
