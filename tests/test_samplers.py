@@ -20,6 +20,7 @@ from ddp_template.data.eval_sampler import EvalShardSampler
 from ddp_template.data.feistel import FeistelPermutation
 from ddp_template.data.samplers import (
     AUTO_FEISTEL_THRESHOLD,
+    SAMPLER_MODES,
     ShardSampler,
 )
 
@@ -92,6 +93,11 @@ LAYOUT_TABLE = {
     ("sequential", 11, 2): [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 0]],
     ("sequential", 10, 4): [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 0, 1]],
 }
+
+
+def test_every_mode_has_rows_in_the_layout_table() -> None:
+    """Adding a mode to SAMPLER_MODES means writing down its lists here (docs/ARCHITECTURE.md)."""
+    assert {mode for mode, _, _ in LAYOUT_TABLE} == set(SAMPLER_MODES)
 
 
 @pytest.mark.parametrize(("mode", "n", "w"), list(LAYOUT_TABLE))
@@ -406,7 +412,7 @@ def test_state_dict_survives_torch_save_weights_only() -> None:
 def test_argument_errors_name_the_fix() -> None:
     with pytest.raises(ValueError, match="shuffle=False"):
         ShardSampler(Sized(10), 2, 0, shuffle=True, mode="sequential")
-    with pytest.raises(ValueError, match="padded, drop_last, sequential"):
+    with pytest.raises(ValueError, match=", ".join(SAMPLER_MODES)):
         ShardSampler(Sized(10), 2, 0, mode="pad")
     with pytest.raises(ValueError, match="auto, randperm, feistel"):
         ShardSampler(Sized(10), 2, 0, permutation="sobol")

@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 
 from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
+from ddp_template.shard_draw import coverage_bins
 from ddp_template.shard_plot import (
     ShardLayout,
     draw_layout,
@@ -41,7 +42,7 @@ def _png_size(path: Path) -> tuple[int, int]:
         return image.size
 
 
-@pytest.mark.parametrize("mode", list(SAMPLER_MODES))
+@pytest.mark.parametrize("mode", list(TABLE_11_2))
 def test_layout_from_sampler_matches_the_design_table(mode: str) -> None:
     layout = layout_from_sampler(ShardSampler(range(11), 2, 0, shuffle=False, seed=0, mode=mode))
     rank0, rank1, pad1 = TABLE_11_2[mode]
@@ -106,6 +107,34 @@ def test_large_n_is_summarised_not_drawn_cell_by_cell(tmp_path: Path) -> None:
     fig = Figure()
     draw_layout(fig.subplots(), layout)
     assert len(list(fig.findobj())) < 2000  # a summary, not a million cells
+
+
+@pytest.mark.parametrize(
+    ("n", "world", "mode"),
+    [(1438, 2, "padded"), (10066, 7, "drop_last"), (1000, 8, "sequential"), (150, 3, "padded")],
+)
+def test_coverage_of_a_clean_epoch_is_exactly_one_in_every_bin(
+    n: int, world: int, mode: str
+) -> None:
+    """Bins of unequal width (1438 in 100: 14 or 15 indices) must not show fake spikes."""
+    shuffle = SAMPLER_MODES[mode].shuffles
+    layout = layout_from_sampler(ShardSampler(range(n), world, 0, shuffle, 3, mode=mode))
+    edges, stacked = coverage_bins(layout)
+    assert edges[0] == 0 and edges[-1] == n and (np.diff(edges) >= 1).all()
+    assert edges.dtype.kind == "i" and stacked.shape == (world, min(n, 100))
+    assert (stacked[-1] == 1.0).all()
+    assert (np.diff(stacked, axis=0) >= 0).all()  # stacked: each rank adds its share
+
+
+@pytest.mark.parametrize(("mode", "sign"), [("padded", 1), ("drop_last", -1)])
+def test_coverage_shows_a_real_repeat_or_gap_in_its_bin_only(mode: str, sign: int) -> None:
+    layout = layout_from_sampler(ShardSampler(range(1439), 2, 0, True, 3, mode=mode))
+    edges, stacked = coverage_bins(layout)
+    odd = layout.ranks[1][-1] if mode == "padded" else layout.dropped()[0]  # the one off index
+    k = int(np.searchsorted(edges, odd, side="right")) - 1
+    expected = np.ones(100)
+    expected[k] += sign / (edges[k + 1] - edges[k])
+    assert np.array_equal(stacked[-1], expected)
 
 
 def test_import_is_light_and_drawing_leaves_pyplot_alone(tmp_path: Path) -> None:

@@ -229,25 +229,26 @@ def _coverage_note(layout: ShardLayout) -> str:
     return note + (f"\n{_dropped_text(dropped, limit=5)}" if dropped.size else "")
 
 
+def coverage_bins(layout: ShardLayout, bins: int = COVERAGE_BINS) -> tuple[np.ndarray, np.ndarray]:
+    """Integer bin edges and, stacked over ranks 0..r, reads per index in each bin (bin k holds
+    i with i * bins // N == k): counts over the bin's size, so a clean epoch tops at exactly 1.0."""
+    n, bins = layout.num_samples, min(bins, layout.num_samples)
+    edges = -(-np.arange(bins + 1) * n // bins)  # ceil(k * N / bins): where bin k starts
+    reads = [np.bincount(np.asarray(idx) * bins // n, minlength=bins) for idx in layout.ranks]
+    return edges, np.cumsum(np.array(reads).reshape(len(reads), bins), axis=0) / np.diff(edges)
+
+
 def _draw_coverage(ax: Any, layout: ShardLayout, colors: list) -> None:
     """Reads per dataset index, binned and stacked by rank: 1.0 everywhere = each index once."""
-    n = layout.num_samples
-    bins = min(COVERAGE_BINS, n)
-    width = n / bins
-    edges = np.arange(bins + 1) * width
-    bottom = np.zeros(bins + 1)  # step="post" ignores the last value; it only closes the edge
-    for r, idx in enumerate(layout.ranks):
-        share = np.bincount(np.asarray(idx) * bins // n, minlength=bins) / width
-        top = bottom + np.append(share, share[-1])
-        ax.fill_between(edges, bottom, top, step="post", color=colors[r], linewidth=0)
-        bottom = top
+    edges, tops = coverage_bins(layout)
+    tops = np.column_stack([tops, tops[:, -1]])  # step="post" only uses the last to close
+    for r, (low, top) in enumerate(zip([np.zeros(edges.size), *tops[:-1]], tops, strict=True)):
+        ax.fill_between(edges, low, top, step="post", color=colors[r], linewidth=0)
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="each index once")
-    ax.set_xlim(0, n)
-    ax.set_ylim(0, max(1.45, float(bottom.max()) * 1.3))
+    ax.set(xlim=(0, layout.num_samples), ylim=(0, max(1.45, float(tops[-1].max()) * 1.3)))
     ax.text(0.01, 0.97, _coverage_note(layout), transform=ax.transAxes, va="top", fontsize=8)
-    ax.set_xlabel("dataset index")
-    ax.set_ylabel("reads per index")
-    ax.set_title(f"coverage ({bins} bins, stacked by rank)", fontsize=10)
+    ax.set(xlabel="dataset index", ylabel="reads per index")
+    ax.set_title(f"coverage ({edges.size - 1} bins, stacked by rank)", fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
 
 

@@ -1,24 +1,26 @@
 """The training sampler, whose per-rank index lists are defined, not incidental.
 
-`ShardSampler` reproduces `torch.utils.data.distributed.DistributedSampler` exactly in its
-`padded` and `drop_last` modes (same seed + epoch -> same per-rank lists), adds libtorch's
-`sequential` layout, a resumable position, and a keyed Feistel permutation that shuffles
-huge datasets without materialising `randperm(N)`. `SAMPLER_MODES` is the one table of what
-each mode does; docs/ARCHITECTURE.md states the semantics.
+`ShardSampler` is a `torch.utils.data.distributed.DistributedSampler` (a subclass, same
+arguments) giving torch's exact lists in its `padded` and `drop_last` modes, plus libtorch's
+`sequential` layout, a resumable position (torchdata's stateful protocol too) and a keyed
+Feistel permutation that shuffles huge datasets without materialising `randperm(N)`.
+`SAMPLER_MODES` is the one table of the modes; docs/ARCHITECTURE.md states the semantics.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch.utils.data import Sampler
+from torch.utils.data.distributed import DistributedSampler
 
 from ddp_template.data.feistel import FeistelPermutation
+from ddp_template.data.sampler_args import as_bool, as_int, as_positions, resolve_world
+from ddp_template.data.sampler_state import resume_point, state_of
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,12 @@ class ModeRule:
     def slots(self, positions: np.ndarray, rank: int, length: int, world: int) -> np.ndarray:
         """Global slot of each of ``rank``'s positions."""
         return rank * length + positions if self.contiguous else rank + positions * world
+
+    def owners(self, slots: np.ndarray, length: int, world: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rank, position) holding each global slot: the inverse of ``slots``."""
+        if self.contiguous:
+            return slots // length, slots % length
+        return slots % world, slots // world
 
     def real_positions(self, n: int, rank: int, length: int, world: int) -> int:
         """How many of ``rank``'s positions come before its first padding slot."""
@@ -80,37 +88,40 @@ PERMUTATIONS = ("auto", "randperm", "feistel")
 AUTO_FEISTEL_THRESHOLD = 2**24
 
 
-def resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
-    """World size and rank from the arguments, else from the initialised process group."""
-    if num_replicas is None or rank is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "num_replicas and rank were not given and torch.distributed is not initialised; "
-                "pass num_replicas= and rank= or call init_process_group first."
-            )
-        num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
-        rank = dist.get_rank() if rank is None else rank
-    if num_replicas < 1:
-        raise ValueError(f"Invalid num_replicas {num_replicas}, it should be >= 1")
-    if rank >= num_replicas or rank < 0:
-        raise ValueError(
-            f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"
-        )
-    return num_replicas, rank
-
-
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class ShardSampler(Sampler[int]):
-    """Drop-in DistributedSampler with explicit modes, O(1)-memory shuffling and resumption.
+def _resolve_mode(mode: Any, drop_last: bool) -> str:
+    """The mode as a plain str: ``None`` means DistributedSampler's choice from ``drop_last``."""
+    if mode is None:
+        return "drop_last" if drop_last else "padded"
+    mode = str(mode)  # a config enum member -> its plain value
+    if mode not in SAMPLER_MODES:
+        choices = ", ".join(SAMPLER_MODES)
+        raise ValueError(f"Unknown sampler mode {mode!r}; choose one of {choices}.")
+    if drop_last and not SAMPLER_MODES[mode].drops_tail:
+        raise ValueError(
+            f"drop_last=True contradicts mode={mode!r}, which pads the tail; pass "
+            f"mode='drop_last' (or no mode) with drop_last=True, or drop_last=False."
+        )
+    return mode
+
+
+class ShardSampler(DistributedSampler[int]):
+    """DistributedSampler with explicit modes, O(1)-memory shuffling and a resumable position.
 
     The rank's epoch list is defined through a global list of `total_size` slots: slot j holds
     dataset index perm(j mod N). `padded`/`drop_last` give rank r the slots r, r+W, r+2W, ...
     (exactly torch's layout); `sequential` gives it the block r*L ... (r+1)*L-1 unshuffled.
     Slots j >= N are padding (repeats). Everything is computed per position, so iteration,
     resumption and the padding count never need the whole list.
+
+    The arguments are DistributedSampler's, in its order, then keyword-only `mode` and
+    `permutation`. Without `mode`, `drop_last` picks `drop_last` or `padded` as torch does; a
+    padding mode with `drop_last=True` is refused. `.drop_last` is True exactly when the tail
+    is dropped. DistributedSampler.__init__ only stores arguments and two lengths (O(1)).
+    The sampler counts what it has yielded (`yielded`, as torchdata names it): see state_dict.
     """
 
     def __init__(
@@ -120,63 +131,77 @@ class ShardSampler(Sampler[int]):
         rank: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
+        drop_last: bool = False,
         *,
-        mode: str = "padded",
+        mode: str | None = None,
         permutation: str = "auto",
     ) -> None:
-        mode = str(mode)
-        if mode not in SAMPLER_MODES:
-            choices = ", ".join(SAMPLER_MODES)
-            raise ValueError(f"Unknown sampler mode {mode!r}; choose one of {choices}.")
+        shuffle, seed = as_bool("shuffle", shuffle), as_int("seed", seed)
+        mode = _resolve_mode(mode, as_bool("drop_last", drop_last))
         if permutation not in PERMUTATIONS:
             raise ValueError(
                 f"Unknown permutation {permutation!r}; choose one of {', '.join(PERMUTATIONS)}."
             )
-        self.rule = SAMPLER_MODES[mode]
-        if shuffle and not self.rule.shuffles:
+        rule = SAMPLER_MODES[mode]
+        if shuffle and not rule.shuffles:
             raise ValueError(
                 f"Sampler mode {mode!r} does not shuffle, but shuffle=True was given; "
                 "set shuffle=False (or pick mode 'padded' or 'drop_last')."
             )
-        self.num_replicas, self.rank = resolve_world(num_replicas, rank)
-        self.dataset = dataset
+        num_replicas, rank = resolve_world(num_replicas, rank)
+        super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last=rule.drops_tail)
+        self.rule, self.mode = rule, mode
         self.dataset_size = len(dataset)
-        self.shuffle = bool(shuffle)
-        self.seed = int(seed)
-        self.mode = mode
-        self.epoch = 0
         if permutation == "auto":
             big = self.dataset_size >= AUTO_FEISTEL_THRESHOLD
             permutation = "feistel" if big else "randperm"
-        self.permutation = permutation
-        n, w = self.dataset_size, self.num_replicas
-        self.num_samples = self.rule.length(n, w)
-        self.total_size = self.num_samples * w
-        self._start = 0  # pending resume offset, consumed by the next __iter__
+        self.permutation = str(permutation)
+        self.num_samples = rule.length(self.dataset_size, num_replicas)
+        self.total_size = self.num_samples * num_replicas
+        self.next_yielded: int | None = None  # a pending resume offset, for the next __iter__
+        self.yielded = 0
+        self._iterator_token: object | None = None
         self._perm_cache: tuple[int, Any] | None = None
 
     # ----------------------------------------------------------------- epoch & length
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's shuffle; a pending resume offset survives only the same epoch."""
-        if epoch != self.epoch:
-            self._start = 0
+        epoch = as_int("epoch", epoch)
+        if epoch != self.epoch:  # an iterator still running over the old epoch stops counting
+            self.next_yielded, self.yielded, self._iterator_token = None, 0, None
         self.epoch = epoch
 
     def __len__(self) -> int:
         """Number of indices the next __iter__ yields (less than num_samples after a resume)."""
-        return self.num_samples - self._start
+        return self.num_samples - (self.next_yielded or 0)
+
+    @property
+    def yielded(self) -> int:
+        """Indices of this epoch's list yielded so far, counting the offset resumed at."""
+        pending = operator.length_hint(self._block) if self._block is not None else 0
+        return self._block_end - pending
+
+    @yielded.setter
+    def yielded(self, value: int) -> None:
+        self._block: Iterator[int] | None = None
+        self._block_end = as_int("yielded", value)
 
     def __iter__(self) -> Iterator[int]:
-        start, self._start = self._start, 0
+        start, self.next_yielded = self.next_yielded or 0, None
+        self.yielded = start
+        token = self._iterator_token = object()  # only the newest iterator keeps the count
         # Snapshot the epoch's permutation now, so a set_epoch during iteration cannot mix epochs.
-        return self._iterate(start, self._permutation())
+        return self._iterate(start, self._permutation(), token)
 
-    def _iterate(self, start: int, perm: Any) -> Iterator[int]:
+    def _iterate(self, start: int, perm: Any, token: object) -> Iterator[int]:
         block, pos = _FIRST_BLOCK, start
         while pos < self.num_samples:
             stop = min(pos + block, self.num_samples)
             slots = self._slots(np.arange(pos, stop, dtype=np.int64), self.rank)
-            yield from self._lookup(slots, perm).tolist()
+            values = iter(self._lookup(slots, perm).tolist())
+            if self._iterator_token is token:  # counted per block: no per-index bookkeeping
+                self._block, self._block_end = values, stop
+            yield from values
             pos, block = stop, min(2 * block, _MAX_BLOCK)
 
     # ----------------------------------------------------------------- index arithmetic
@@ -197,6 +222,7 @@ class ShardSampler(Sampler[int]):
     def _rank(self, rank: int | None) -> int:
         if rank is None:
             return self.rank
+        rank = as_int("rank", rank)
         if not 0 <= rank < self.num_replicas:
             raise ValueError(f"Invalid rank {rank}, expected 0 <= rank < {self.num_replicas}.")
         return rank
@@ -214,72 +240,58 @@ class ShardSampler(Sampler[int]):
             return base
         return perm[base] if isinstance(perm, np.ndarray) else perm(base)
 
-    def index_at(self, positions: np.ndarray, rank: int | None = None) -> np.ndarray:
-        """This rank's dataset indices (int64) at the given positions of the current epoch."""
-        positions = np.asarray(positions, dtype=np.int64)
+    def index_at(self, positions: Any, rank: int | None = None) -> np.ndarray:
+        """A rank's dataset indices (int64, positions' shape) at positions of the current epoch."""
+        positions = as_positions(positions)
         return self._lookup(self._slots(positions, self._rank(rank)), self._permutation())
+
+    def locate(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every (rank, position) of this epoch reading dataset ``index``: slot perm^-1(index)
+        and its padding repeats every N slots; O(1) without shuffling or with Feistel."""
+        index = as_int("index", index)
+        if not 0 <= index < self.dataset_size:
+            raise IndexError(f"index={index} is outside the dataset [0, {self.dataset_size}).")
+        perm = self._permutation()
+        if perm is None:
+            first = index
+        elif isinstance(perm, np.ndarray):
+            first = int(np.flatnonzero(perm == index)[0])
+        else:
+            first = int(perm.inverse(index))
+        slots = np.arange(first, self.total_size, self.dataset_size, dtype=np.int64)
+        return self.rule.owners(slots, self.num_samples, self.num_replicas)
 
     def rank_indices(self, rank: int | None = None) -> np.ndarray:
         """A rank's whole current-epoch list; materialises it, so meant for tests and reports."""
         return self.index_at(np.arange(self.num_samples, dtype=np.int64), rank)
 
-    def is_padding(self, positions: np.ndarray, rank: int | None = None) -> np.ndarray:
+    def is_padding(self, positions: Any, rank: int | None = None) -> np.ndarray:
         """True where a position holds a padding slot (a repeat of an earlier index)."""
-        positions = np.asarray(positions, dtype=np.int64)
+        positions = as_positions(positions)
         return self._slots(positions, self._rank(rank)) >= self.dataset_size
 
     def padding_in_prefix(self, n: int, rank: int | None = None) -> int:
         """How many of a rank's first n positions are padding; O(1), for `data/duplicates`."""
         rank = self._rank(rank)
-        n = max(0, min(n, self.num_samples))
+        n = max(0, min(as_int("n", n), self.num_samples))
         rule, size = self.rule, self.dataset_size
         real = rule.real_positions(size, rank, self.num_samples, self.num_replicas)
         return max(0, n - real)
 
     # ----------------------------------------------------------------- resumption
-    def state_dict(self, position: int = 0) -> dict[str, Any]:
-        """Where to resume: `position` = indices of this epoch's list the loop has consumed.
+    def state_dict(self, position: int | None = None) -> dict[str, Any]:
+        """Where to resume: `position` = indices of this epoch's list consumed so far.
 
-        Only the training loop knows `position` (the DataLoader prefetches ahead of it). It
-        counts from the start of the epoch's list, including any offset this sampler resumed at.
+        Without `position`, what this sampler has yielded: right under torchdata's
+        StatefulDataLoader, which asks at the moment matching the batch it hands out. A plain
+        DataLoader prefetches ahead, so the template's loop passes the count it consumed. Both
+        count from the start of the epoch's list, including any offset resumed at.
         """
-        if not 0 <= position <= self.num_samples:
-            raise ValueError(
-                f"position={position} is outside this rank's epoch [0, {self.num_samples}]; "
-                "pass the number of indices consumed this epoch."
-            )
-        return {
-            "epoch": int(self.epoch),
-            "position": int(position),
-            "mode": self.mode,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "permutation": self.permutation,
-            "dataset_size": int(self.dataset_size),
-            "num_replicas": int(self.num_replicas),
-            "rank": int(self.rank),
-        }
+        return state_of(self, self.yielded if position is None else position)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next __iter__ (only that one) starts at the saved position."""
-        keys = ["mode", "seed", "shuffle", "dataset_size", "num_replicas", "rank"]
-        if self.shuffle:
-            keys.append("permutation")  # without shuffling the order is the identity anyway
-        for key in [*keys, "epoch", "position"]:
-            if key not in state:
-                raise ValueError(f"Sampler state_dict is missing key {key!r}; it cannot resume.")
-        for key in keys:
-            saved, current = state[key], getattr(self, key)
-            if saved != current:
-                raise ValueError(
-                    f"Sampler state_dict key {key!r} was saved as {saved!r} but this sampler has "
-                    f"{current!r}; resume with {key}={saved!r} or start a fresh run."
-                )
-        position = int(state["position"])
-        if not 0 <= position <= self.num_samples:
-            raise ValueError(
-                f"Sampler state_dict key 'position' is {position}, outside [0, "
-                f"{self.num_samples}]; the checkpoint does not belong to this sampler."
-            )
-        self.epoch = int(state["epoch"])
-        self._start = position
+        epoch, position = resume_point(self, state)
+        if epoch is not None:
+            self.epoch = epoch
+        self.next_yielded = position

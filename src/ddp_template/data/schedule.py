@@ -1,0 +1,99 @@
+"""Which positions of each rank's epoch list an optimizer step consumes: the step arithmetic.
+
+Every rank runs the same number of steps per epoch: its list has L positions (the sampler
+mode's length), the DataLoader cuts it into batches of B (the last one short, or dropped with
+``sampler.drop_last_batch``), and ``max_steps_per_epoch`` caps the count. Steps are numbered
+as the logs number them: the run's first optimizer step is step 1, and step S is step
+``(S - 1) mod K`` of epoch ``(S - 1) div K`` for K steps per epoch. A resumed run continues at
+the exact position it stopped at, so a resume never changes which batch belongs to which step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+
+class StepBatch(NamedTuple):
+    """The positions [start, stop) of every rank's epoch list that one step consumed."""
+
+    step: int
+    epoch: int
+    start: int
+    stop: int
+
+    @property
+    def positions(self) -> np.ndarray:
+        return np.arange(self.start, self.stop, dtype=np.int64)
+
+
+class Hit(NamedTuple):
+    """One step at which a rank trained on a given dataset index."""
+
+    epoch: int
+    step: int
+    rank: int
+    position: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSchedule:
+    length: int  # L: positions per rank per epoch (ShardSampler.num_samples)
+    batch_size: int
+    epochs: int
+    max_steps_per_epoch: int | None = None
+    drop_last_batch: bool = False
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """K: the DataLoader's length (ceil, or floor with drop_last_batch), then the cap."""
+        full, rest = divmod(self.length, self.batch_size)
+        steps = full + (1 if rest and not self.drop_last_batch else 0)
+        cap = self.max_steps_per_epoch
+        return steps if cap is None else min(steps, cap)
+
+    @property
+    def total_steps(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+    @property
+    def consumed_per_epoch(self) -> int:
+        """Positions of each rank's list that an epoch's steps read (a prefix of the list)."""
+        return min(self.steps_per_epoch * self.batch_size, self.length)
+
+    def batch(self, step: int) -> StepBatch:
+        """The positions step ``step`` (1-based) consumed; ValueError outside the run."""
+        if not 1 <= step <= self.total_steps:
+            raise ValueError(self._outside(step))
+        epoch, k = divmod(step - 1, self.steps_per_epoch)
+        start = k * self.batch_size
+        return StepBatch(step, epoch, start, min(start + self.batch_size, self.length))
+
+    def _outside(self, step: int) -> str:
+        if self.total_steps == 0:
+            return (
+                f"step={step} does not exist: this run trains no step ({self.epochs} epochs of "
+                f"{self.steps_per_epoch} steps)."
+            )
+        return (
+            f"step={step} is outside this run's steps [1, {self.total_steps}] ({self.epochs} "
+            f"epochs of {self.steps_per_epoch} steps); pass a step in that range."
+        )
+
+    def hits(self, sampler: Any, index: int) -> list[Hit]:
+        """Every (epoch, step, rank, position) at which ``index`` was trained on.
+
+        Sets ``sampler``'s epoch in turn; ``sampler.locate`` finds the slots holding the index
+        (O(1) per epoch for the identity and Feistel, O(N) for randperm).
+        """
+        found: list[Hit] = []
+        for epoch in range(self.epochs):
+            sampler.set_epoch(epoch)
+            ranks, positions = sampler.locate(index)
+            read = positions < self.consumed_per_epoch
+            steps = epoch * self.steps_per_epoch + positions[read] // self.batch_size + 1
+            rows = zip(ranks[read].tolist(), positions[read].tolist(), steps.tolist(), strict=True)
+            found += [Hit(epoch, step, rank, pos) for rank, pos, step in rows]
+        return sorted(found, key=lambda h: (h.step, h.rank))

@@ -1,0 +1,249 @@
+"""Which samples did every rank train on at step S? Reconstructed, not logged.
+
+    python -m ddp_template.replay <run_dir> --step S            # each rank's batch at step S
+    python -m ddp_template.replay <run_dir> --step S --json     # one JSON object per rank
+    python -m ddp_template.replay <run_dir> --step S --save batch.pt   # the tensors too
+    python -m ddp_template.replay <run_dir> --index I           # every step that read sample I
+
+The data order is a function of the run's config: the sampler (mode, permutation, seed),
+N, the world size W, batch_size, max_steps_per_epoch and sampler.drop_last_batch. This reads
+them from ``<run_dir>/.hydra/config.yaml`` (W from ``summary.json``, ``rank0/metrics.jsonl``
+or ``checkpoints/last.pt``), builds each rank's sampler with the training's own builder and
+evaluates only the step's positions: O(batch) time and memory at any N (randperm, used below
+N = 2^24 unless configured otherwise, costs its O(N) permutation as in training). Steps are
+numbered as the logs number them (the first optimizer step is 1); a resumed run keeps the
+numbering, because it resumes at the exact position it stopped at. ``--index`` is O(1) per
+epoch for Feistel or unshuffled runs and O(N) per epoch for randperm, refused beyond
+``INDEX_MAX_RANDPERM`` permuted elements in all (minutes of work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from torch.utils.data import Dataset, default_collate
+
+from ddp_template import boundary
+from ddp_template.checkpoint import load as load_checkpoint
+from ddp_template.config import Config
+from ddp_template.data.datasets import build_splits
+from ddp_template.data.loader import build_train_sampler
+from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
+from ddp_template.data.schedule import StepSchedule
+from ddp_template.distributed import DistInfo
+from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
+
+INDEX_MAX_RANDPERM = 2**28  # N x epochs for --index under randperm: ~10 s on a 2-core CPU
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """What the data order of a finished (or running) run depends on."""
+
+    run_dir: Path
+    cfg: Config
+    world_size: int
+    train: Dataset
+    schedule: StepSchedule
+
+    def sampler(self, rank: int) -> ShardSampler:
+        """Rank ``rank``'s training sampler, built exactly as ``train.py`` builds it."""
+        info = DistInfo(
+            rank=rank,
+            local_rank=rank,
+            world_size=self.world_size,
+            local_world_size=self.world_size,
+            backend=None,
+            device=torch.device("cpu"),
+            host="replay",
+        )
+        return build_train_sampler(self.train, self.cfg.sampler, seed=self.cfg.seed, info=info)
+
+
+def load_run(run_dir: Path, world_size: int | None = None) -> Run:
+    """The run in ``run_dir``; ``world_size`` only for a directory that records none."""
+    if not run_dir.is_dir():
+        raise ConfigError(f"run dir {run_dir} does not exist; pass the directory of a run.")
+    cfg = _config(run_dir)
+    world = _world_size(run_dir, world_size)
+    train = build_splits(cfg.data).train
+    schedule = StepSchedule(
+        length=SAMPLER_MODES[str(cfg.sampler.mode)].length(len(train), world),
+        batch_size=cfg.batch_size,
+        epochs=cfg.epochs,
+        max_steps_per_epoch=cfg.max_steps_per_epoch,
+        drop_last_batch=cfg.sampler.drop_last_batch,
+    )
+    return Run(run_dir=run_dir, cfg=cfg, world_size=world, train=train, schedule=schedule)
+
+
+def _config(run_dir: Path) -> Config:
+    """The run's composed config (written by rank 0), typed against this template's schema."""
+    path = run_dir / ".hydra" / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(
+            f"{path} is missing; replay needs the config rank 0 wrote there (pass the run's "
+            f"own directory, not its checkpoints/ or rank<r>/ folder)."
+        )
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+    except OmegaConfBaseException as exc:
+        first = str(exc).splitlines()[0][:120]
+        raise ConfigError(
+            f"{path} does not fit this template's config schema ({first}); replay the run "
+            f"with the template version that wrote it."
+        ) from None
+    return boundary.typed(merged)
+
+
+def _world_size(run_dir: Path, given: int | None) -> int:
+    recorded = _recorded_world_size(run_dir)
+    if given is None:
+        if recorded is None:
+            raise ConfigError(
+                f"run dir {run_dir} records no world size (no summary.json, rank0/metrics.jsonl "
+                f"or checkpoints/last.pt); pass --world-size W."
+            )
+        return recorded
+    if given < 1:
+        raise ConfigError(f"--world-size {given} is not a number of ranks; pass 1 or more.")
+    if recorded is not None and given != recorded:
+        raise ConfigError(
+            f"--world-size {given} contradicts the {recorded} ranks run dir {run_dir} records; "
+            f"drop --world-size."
+        )
+    return given
+
+
+def _recorded_world_size(run_dir: Path) -> int | None:
+    """W from summary.json, else rank 0's first metrics line, else the last checkpoint."""
+    summary = run_dir / "summary.json"
+    if summary.is_file() and "world_size" in (recorded := json.loads(summary.read_text())):
+        return int(recorded["world_size"])
+    metrics = run_dir / "rank0" / "metrics.jsonl"
+    if metrics.is_file():
+        with open(metrics) as lines:
+            for line in lines:
+                row = json.loads(line) if line.strip() else {}
+                if "data/world_size" in row:
+                    return int(row["data/world_size"])
+    checkpoint = run_dir / "checkpoints" / "last.pt"
+    return int(load_checkpoint(checkpoint)["world_size"]) if checkpoint.is_file() else None
+
+
+def step_rows(run: Run, step: int) -> list[dict[str, Any]]:
+    """Each rank's epoch, position and dataset indices at optimizer step ``step``."""
+    try:
+        batch = run.schedule.batch(step)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    sampler = run.sampler(0)  # one permutation for all ranks: index_at takes the rank
+    sampler.set_epoch(batch.epoch)
+    rows = []
+    for rank in range(run.world_size):
+        indices = sampler.index_at(batch.positions, rank)
+        row = {"step": step, "rank": rank, "epoch": batch.epoch, "position": batch.start}
+        rows.append(row | {"indices": indices.tolist()})
+    return rows
+
+
+def index_hits(run: Run, index: int) -> list[dict[str, int]]:
+    """Every (epoch, step, rank, position) at which dataset index ``index`` was trained on."""
+    n = len(run.train)
+    if not 0 <= index < n:
+        raise ConfigError(f"--index {index} is outside the training set [0, {n}); pass 0..{n - 1}.")
+    sampler = run.sampler(0)
+    work = n * run.schedule.epochs
+    if sampler.shuffle and sampler.permutation == "randperm" and work > INDEX_MAX_RANDPERM:
+        raise ConfigError(
+            f"--index on this run permutes N x epochs = {work:,} indices with randperm (more than "
+            f"{INDEX_MAX_RANDPERM:,}, minutes of work); use --step, or replay a feistel run."
+        )
+    return [hit._asdict() | {"index": index} for hit in run.schedule.hits(sampler, index)]
+
+
+def save_batch(run: Run, rows: list[dict[str, Any]], path: Path) -> Path:
+    """Write the step's batch tensors (x, y, index per rank), loaded through the data config."""
+    ranks = []
+    for row in rows:
+        x, y, index = default_collate([run.train[i] for i in row["indices"]])
+        ranks.append({"rank": row["rank"], "x": x, "y": y, "index": index})
+    first = rows[0]
+    payload = {"step": first["step"], "epoch": first["epoch"], "position": first["position"]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(payload | {"ranks": ranks}, path)
+    return path
+
+
+def _print_step(run: Run, rows: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+        return
+    first, k = rows[0], run.schedule.steps_per_epoch
+    print(
+        f"{run.run_dir}: step {first['step']} of {run.schedule.total_steps} = epoch "
+        f"{first['epoch']}, step {(first['step'] - 1) % k + 1} of {k}; {run.world_size} ranks, "
+        f"batch_size {run.cfg.batch_size}"
+    )
+    for row in rows:
+        print(f"rank {row['rank']}: epoch {row['epoch']}, position {row['position']}: ", end="")
+        print(" ".join(map(str, row["indices"])))
+
+
+def _print_hits(index: int, hits: list[dict[str, int]], as_json: bool) -> None:
+    if as_json:
+        for hit in hits:
+            print(json.dumps(hit))
+        return
+    print(f"index {index}: trained on {len(hits)} time(s)")
+    for h in hits:
+        print(f"epoch {h['epoch']}, step {h['step']}, rank {h['rank']}, position {h['position']}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ddp_template.replay",
+        description="Reconstruct which samples each rank trained on, from a run's config.",
+    )
+    parser.add_argument("run_dir", type=Path, help="the run directory (holds .hydra/)")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--step", type=int, help="optimizer step, 1-based as the logs count")
+    what.add_argument("--index", type=int, help="list every step that trained on this sample")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument("--save", type=Path, help="with --step: write the batch tensors here")
+    parser.add_argument("--world-size", type=int, help="only for a run dir that records none")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.save is not None and args.step is None:
+            raise ConfigError("--save needs --step S; pass the step whose batch to save.")
+        run = load_run(args.run_dir, args.world_size)
+        if args.index is not None:
+            _print_hits(args.index, index_hits(run, args.index), args.json)
+            return 0
+        rows = step_rows(run, args.step)
+        _print_step(run, rows, args.json)
+        if args.save is not None:
+            path = save_batch(run, rows, args.save)
+            print(f"saved {path}", file=sys.stderr)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
