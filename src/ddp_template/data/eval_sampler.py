@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sized
 
 from torch.utils.data import Sampler
 
-from ddp_template.data.samplers import resolve_world
+from ddp_template.data.sampler_args import resolve_world
 
 
 class EvalShardSampler(Sampler[int]):
