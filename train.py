@@ -41,7 +41,7 @@ from ddp_template.engine import (
     steps_this_epoch,
     train_one_epoch,
 )
-from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
+from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 from ddp_template.logging import RankLogger, log, setup_console
 from ddp_template.models import build_model, convert_syncbn
 from ddp_template.optim import build_optimizer, build_scheduler
@@ -181,6 +181,10 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
     finally:
         if logger is not None:
             logger.finish(exit_code)
+        if exit_code in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
+            # An agreed stop: a launcher ends the other ranks at the first non-zero exit, so no
+            # rank leaves before every rank has flushed its logs and W&B run.
+            distributed.barrier(info)
         distributed.teardown()
 
 

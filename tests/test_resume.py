@@ -60,19 +60,20 @@ def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory):
-    """Uninterrupted runs, fp32 and bf16."""
+    """Uninterrupted runs, fp32 and bf16; the fp32 one also keeps its epoch checkpoints."""
     out = tmp_path_factory.mktemp("ref")
-    launch(out, "ref", "logger=none")
+    launch(out, "ref", "logger=none", "checkpoint.keep=2")
     launch(out, "ref-bf16", "logger=none", "amp=bf16")
-    return {"off": final_model(out, "ref"), "bf16": final_model(out, "ref-bf16")}
+    models = {"off": final_model(out, "ref"), "bf16": final_model(out, "ref-bf16")}
+    return {**models, "checkpoints": out / "outputs" / "ref" / "checkpoints"}
 
 
 def test_reference_is_deterministic_and_stop_matters(reference, tmp_path: Path) -> None:
-    """Guard: a second uninterrupted run is identical, a shorter one is not."""
+    """Guard: a second uninterrupted run is identical, the model one epoch earlier is not."""
     launch(tmp_path, "again", "logger=none")
     assert_identical(reference["off"], final_model(tmp_path, "again"))
-    launch(tmp_path, "short", "logger=none", "epochs=1", "optim.schedule=none")
-    short = torch.load(tmp_path / "outputs/short/checkpoints/last.pt", weights_only=True)
+    short = torch.load(reference["checkpoints"] / "epoch_1.pt", weights_only=True)
+    assert short["epoch"] == 1 and short["step"] == 8
     assert any(not torch.equal(short["model"][k], reference["off"][k]) for k in short["model"])
 
 
@@ -181,9 +182,9 @@ def test_sigkilled_rank_takes_its_loader_workers_along(
         assert proc.returncode != 0 and "SIGKILL" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_other_world_size_is_refused_clearly(tmp_path: Path) -> None:
-    launch(tmp_path, "ws2", "logger=none", "epochs=1")
-    ckpt = tmp_path / "outputs/ws2/checkpoints/last.pt"
+def test_other_world_size_is_refused_clearly(reference, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ws2.pt"  # a 2-rank checkpoint
+    ckpt.write_bytes((reference["checkpoints"] / "last.pt").read_bytes())
     before = ckpt.read_bytes()
     cmd = train_cmd(
         tmp_path,

@@ -18,6 +18,7 @@ import select
 import signal
 import threading
 import time
+from multiprocessing import forkserver
 from typing import Any
 
 import numpy as np
@@ -83,6 +84,9 @@ def _worker_start_method() -> str:
     # The server imports these once; each worker is then a fork of it instead of a fresh
     # interpreter importing torch (~1.5 s per worker, 8 workers for 2 ranks' two loaders).
     mp.set_forkserver_preload(["torch", "numpy", "ddp_template.data.loader"])
+    # Started now, the server's imports overlap building the model, DDP and W&B instead of
+    # delaying the first batch.
+    forkserver.ensure_running()
     return "forkserver"
 
 
