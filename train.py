@@ -175,6 +175,9 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         log.error("%s", exc)
         exit_code = EXIT_CONFIG_ERROR
         raise SystemExit(EXIT_CONFIG_ERROR) from None
+    except Exception:
+        launch.record_failure(run.run_dir, info.rank)  # the launcher names who failed first
+        raise
     except SystemExit as exc:
         exit_code = exc.code if isinstance(exc.code, int) else 1
         raise

@@ -160,3 +160,25 @@ def test_optuna_sweep_preset_maximises_eval_accuracy(tmp_path: Path) -> None:
     assert len(jobs) == 2
     best = max(summary(j)["eval_accuracy"] for j in jobs)
     assert f"Best value: {best}" in proc.stdout + proc.stderr
+
+
+def test_the_rank_that_failed_first_is_the_one_reported(tmp_path: Path) -> None:
+    """Rank 0's collective fails *because* rank 1 crashed; the agent may see rank 0 exit first,
+    but the recorded times name rank 1 (latest elastic attempt first, stale files ignored)."""
+    import json
+
+    from ddp_template.launch import _recorded_failures
+
+    def write(rank: int, t: float, attempt: int) -> None:
+        (tmp_path / f"rank{rank}").mkdir(exist_ok=True)
+        record = {"time": t, "attempt": attempt, "traceback": f"tb of rank {rank} at {t}"}
+        (tmp_path / f"rank{rank}" / "error.json").write_text(json.dumps(record))
+
+    write(0, 100.5, 0)  # the collateral gloo error, a little later
+    write(1, 100.2, 0)  # the crash
+    write(2, 50.0, 0)  # from an earlier run in the same directory
+    records = _recorded_failures(tmp_path, since=100.0)
+    assert sorted(records) == [0, 1] and min(records, key=records.__getitem__) == 1
+    write(0, 120.0, 1)  # a later elastic attempt failed on rank 0 alone
+    records = _recorded_failures(tmp_path, since=100.0)
+    assert min(records, key=records.__getitem__) == 0 and records[0][2] == "tb of rank 0 at 120.0"

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import multiprocessing
 import os
 import signal
 import sys
+import time
+import traceback
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -76,6 +80,7 @@ def launch(fn: Any, cfg: Config, run: RunInfo) -> Any:
         # Each rank is then a fork of one server that has imported torch and this script once,
         # instead of a fresh interpreter importing them (seconds per rank on a small machine).
         multiprocessing.set_forkserver_preload(["torch", "__main__"])
+    started = time.time()
     os.environ["RUN_ID"] = run.run_id  # workers inherit it: one id, also after restarts
     os.environ[LAUNCHER_VAR] = "dist.nproc"
     _quiet_agent()
@@ -92,9 +97,44 @@ def launch(fn: Any, cfg: Config, run: RunInfo) -> Any:
         message = failure.message
         if isinstance(message, dict):
             message = message.get("extraInfo", {}).get("py_callstack") or message.get("message")
+        records = _recorded_failures(run.run_dir, started)
+        if rank in records:  # the rank the agent saw raised too: did another rank raise first?
+            rank = min(records, key=records.__getitem__)
+            message = records[rank][2]
         print(f"rank {rank} failed (exit code {failure.exitcode}):\n{message}", file=sys.stderr)
         raise SystemExit(failure.exitcode if failure.exitcode > 0 else 1) from None
     return results[0]
+
+
+def record_failure(run_dir: Path, rank: int) -> None:
+    """A failing rank's traceback and the moment it raised, in ``rank<r>/error.json``.
+
+    The agent reports the first rank it sees exit; when rank 1 crashes, rank 0's collective
+    fails at once ("Connection closed by peer") and may exit first, and the agent then stops
+    rank 1 and never shows its traceback. The times recorded here name the rank that failed
+    first.
+    """
+    record = {
+        "time": time.time(),
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "traceback": traceback.format_exc(),
+    }
+    path = run_dir / f"rank{rank}" / "error.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record))
+
+
+def _recorded_failures(run_dir: Path, since: float) -> dict[int, tuple[int, float, str]]:
+    """rank -> (-attempt, time, traceback) of the failures recorded since this launch began:
+    ``min`` over the values is the earliest failure of the last elastic attempt."""
+    found = {}
+    for path in run_dir.glob("rank*/error.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            record = json.loads(path.read_text())
+            if record["time"] >= since:
+                rank = int(path.parent.name.removeprefix("rank"))
+                found[rank] = (-record["attempt"], record["time"], record["traceback"])
+    return found
 
 
 class _DropSignalNotice(logging.Filter):
