@@ -46,7 +46,7 @@ def typed(cfg: DictConfig) -> Config:
 
 
 def _refuse_unknown(node: DictConfig, schema: Any, prefix: str) -> None:
-    declared = {f.name: f for f in fields(schema)}
+    declared = {f.name for f in fields(schema)}
     for key in node:
         if key not in declared:
             raise ConfigError(
@@ -99,7 +99,7 @@ def check(cfg: Config) -> None:
         f"fault.signal={cfg.fault.signal} is not a signal name; use e.g. SIGTERM or SIGUSR1.",
     )
     if choose_backend(cfg.backend.name) != "nccl":
-        # On CUDA each rank probes its own GPU when it builds AMP (amp.build_amp): probing
+        # On CUDA each rank probes its own GPU when it builds AMP (amp.build_scaler): probing
         # here would create a CUDA context in the launching process.
         check_amp(cfg.amp.mode, torch.device("cpu"))
 

@@ -82,7 +82,7 @@ def array_dataset(path: str, image_shape: list[int] | None = None) -> Splits:
         )
     channels, height, _ = xs["train"].shape[1:]
     labels = torch.cat([ys["train"], ys["test"]])
-    num_classes = int(labels.max()) + 1 if labels.numel() else 1  # empty: check_sizes refuses
+    num_classes = int(labels.max()) + 1 if labels.numel() else 1  # empty: build_splits refuses
     info = DataInfo(num_classes=num_classes, in_channels=channels, image_size=height)
     return Splits(
         IndexedTensors(xs["train"], ys["train"]), IndexedTensors(xs["test"], ys["test"]), info
