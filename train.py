@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from ddp_template import boundary, distributed, faults, launch, run_identity
+from ddp_template import boundary, distributed, faults, launch, numerics, run_identity
 from ddp_template.amp import build_scaler
 from ddp_template.checkpoint import Checkpointer, restore, resume_rank0
 from ddp_template.config import Config, register_configs
@@ -68,6 +68,8 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     model = build_model(cfg.model, splits.info)
     if cfg.syncbn.enabled and info.distributed:
         model = convert_syncbn(model, info.device)  # before DDP registers the modules
+    if cfg.channels_last:
+        numerics.to_channels_last(model)
     model.to(info.device)
     device_ids = [info.local_rank] if info.device.type == "cuda" else None
     ddp = DDP(model, device_ids=device_ids) if info.distributed else model
@@ -147,9 +149,11 @@ def fit(
 
 def train(cfg: Config, run: run_identity.RunInfo) -> float:
     """One rank's whole run; returns the final eval accuracy (the sweep objective)."""
+    numerics.apply(cfg)  # before this rank's first CUDA work
     info = distributed.setup(cfg.backend)
     setup_console(info, run.run_dir)
     log.info("%s", info.describe())
+    log.info("numerics: %s", numerics.describe())
     logger, exit_code = None, 1
     try:
         config = boundary.plain(cfg)

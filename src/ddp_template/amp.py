@@ -17,6 +17,8 @@ def check_amp(mode: str, device: torch.device) -> None:
     mode = str(mode)
     if mode == "off":
         return
+    if mode == "bf16" and device.type == "cuda":
+        _check_native_bf16(device)
     dtype = AMP_DTYPES[mode]
     try:
         with torch.autocast(device.type, dtype=dtype):
@@ -31,6 +33,18 @@ def check_amp(mode: str, device: torch.device) -> None:
             f"amp.mode={mode} is not supported on {device.type} with torch {torch.__version__} "
             f"({exc}); {fix}."
         ) from exc
+
+
+def _check_native_bf16(device: torch.device) -> None:
+    """bf16 needs compute capability 8.0 (Ampere) or newer: on older GPUs (V100, T4) torch
+    emulates it, ``is_bf16_supported()`` says yes, and the autocast probe passes, but it is slow."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        name = torch.cuda.get_device_name(device)
+        raise ConfigError(
+            f"amp.mode=bf16 needs a GPU with native bf16 (compute capability 8.0 or newer) but "
+            f"{device} is a {name} ({major}.{minor}); use amp=fp16 or amp=off."
+        )
 
 
 def autocast(mode: str, device: torch.device) -> contextlib.AbstractContextManager:

@@ -23,7 +23,13 @@ from ddp_template import cluster
 from ddp_template.amp import check_amp
 from ddp_template.config import Config
 from ddp_template.data.samplers import SAMPLER_MODES
-from ddp_template.distributed import LAUNCHER_VAR, choose_backend, launched_by_torchrun
+from ddp_template.distributed import (
+    LAUNCHER_VAR,
+    choose_backend,
+    cuda_devices,
+    launched_by_torchrun,
+    node_ranks,
+)
 from ddp_template.errors import ConfigError
 
 INSTANTIATED = ("model", "data")  # groups Hydra instantiates: their keys go to the _target_
@@ -98,7 +104,27 @@ def check(cfg: Config) -> None:
         cfg.fault.signal is None or hasattr(signal, str(cfg.fault.signal)),
         f"fault.signal={cfg.fault.signal} is not a signal name; use e.g. SIGTERM or SIGUSR1.",
     )
-    if choose_backend(cfg.backend.name) != "nccl":
+    _check_gpu_host(cfg)
+
+
+def _check_gpu_host(cfg: Config) -> None:
+    """The backend this node can run, fork with CUDA, determinism, and AMP on CPU ranks."""
+    local_world, local_rank_given = node_ranks(cfg.dist.nproc)
+    backend = choose_backend(cfg.backend.name, local_world, local_rank_given=local_rank_given)
+    starts_ranks = cfg.dist.nproc > 1 and not launched_by_torchrun()
+    _require(
+        not (starts_ranks and cfg.dist.start_method == "fork" and cuda_devices() > 0),
+        "dist.start_method=fork cannot start ranks on a machine with CUDA (this process has "
+        "already initialised CUDA, which a forked rank cannot use); use "
+        "dist.start_method=forkserver (the default) or spawn.",
+    )
+    _require(
+        not (cfg.deterministic and cfg.cudnn_benchmark),
+        "cudnn_benchmark=true contradicts deterministic=true (benchmark mode times and picks "
+        "convolution kernels per run, not reproducibly); drop cudnn_benchmark (it is off under "
+        "deterministic=true) or set deterministic=false.",
+    )
+    if backend.name != "nccl":
         # On CUDA each rank probes its own GPU when it builds AMP (amp.build_scaler): probing
         # here would create a CUDA context in the launching process.
         check_amp(cfg.amp.mode, torch.device("cpu"))

@@ -26,6 +26,14 @@ class Choice(str, Enum):
         return str.__str__(self)
 
 
+class MatmulPrecision(Choice):
+    """``torch.set_float32_matmul_precision``: highest is fp32; high allows TF32 on GPUs."""
+
+    highest = "highest"
+    high = "high"
+    medium = "medium"
+
+
 class SamplerMode(Choice):
     padded = "padded"
     drop_last = "drop_last"
@@ -177,6 +185,8 @@ class OptimConfig:
     schedule: Schedule = Schedule.cosine
     warmup_steps: int = 0
     grad_clip: float | None = None  # max global grad norm; None: no clipping
+    # torch's fused kernel (no per-step host sync under fp16); None: on CUDA, off on CPU
+    fused: bool | None = None
 
 
 @dataclass
@@ -246,6 +256,13 @@ class Config:
     log_every: int = 10  # steps between interval logs
     resume: str = "auto"  # auto | never | <path to a checkpoint>
     shard_report_max_n: int = 10_000_000  # exact coverage/overlap report up to this many samples
+    # Numerics and GPU speed (numerics.py, data/loader.py; README "GPU hosts").
+    deterministic: bool = False  # deterministic algorithms, cuDNN benchmark off
+    matmul_precision: MatmulPrecision = MatmulPrecision.high  # high: TF32 matmuls on GPUs
+    cudnn_benchmark: bool | None = None  # None: on unless deterministic
+    channels_last: bool = False  # conv models: weights and input batches in NHWC
+    pin_memory: bool = True  # page-locked batches for the host-to-GPU copy (CUDA ranks)
+    persistent_workers: bool = True  # loader workers live across epochs (num_workers > 0)
 
 
 def register_configs() -> None:

@@ -13,7 +13,7 @@ import socket
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ class DistInfo:
     host: str
     launcher: str = "none"  # who started the ranks: torchrun, dist.nproc, slurm, openmpi, ...
     master: str | None = None  # the rendezvous address:port
+    why: str = ""  # what decided the backend and device (BackendChoice.why)
 
     @property
     def is_main(self) -> bool:
@@ -44,10 +45,13 @@ class DistInfo:
         return self.backend is not None
 
     def describe(self) -> str:
-        """Rank 0's first log line: who started the ranks, how many, and where they meet."""
+        """Rank 0's first log line: who started the ranks, how many, where they meet, and which
+        backend and device they use and why."""
         where = f", master {self.master}" if self.master else ""
+        why = f" ({self.why})" if self.why else ""
         return (
-            f"launcher {self.launcher}: world size {self.world_size}{where}, backend {self.backend}"
+            f"launcher {self.launcher}: world size {self.world_size}{where}, backend "
+            f"{self.backend}, device {self.device}{why}"
         )
 
 
@@ -78,18 +82,56 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def choose_backend(name: str) -> str:
-    """Resolve ``auto`` and refuse ``nccl`` where it cannot run, before any process group."""
-    name = str(name)
-    cuda = torch.cuda.is_available()
+class BackendChoice(NamedTuple):
+    name: str  # gloo or nccl
+    why: str  # one clause for the log: what decided it
+
+
+def cuda_devices() -> int:
+    """GPUs visible to this process (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def node_ranks(nproc: int) -> tuple[int, bool]:
+    """(ranks on this node, whether the launcher told each rank its local rank): the outer
+    launcher's when one started this process, else the ``dist.nproc`` ranks about to start."""
+    if not launched_by_torchrun():
+        return nproc, True
+    ranks = cluster.detect()
+    return ranks.local_world_size, "LOCAL_RANK" in os.environ or ranks.world_size == 1
+
+
+def choose_backend(
+    name: str, local_world_size: int, *, local_rank_given: bool = True
+) -> BackendChoice:
+    """Resolve ``auto`` for this node and refuse ``nccl`` where it cannot run, before any process
+    group: NCCL needs one GPU per local rank (two ranks cannot share a GPU, and
+    ``set_device(local_rank)`` fails past the last one) and the local rank to pick it by."""
+    name, gpus = str(name), cuda_devices()
+    seen = f"{gpus} visible GPU{'s' if gpus != 1 else ''} for {local_world_size} local rank"
+    seen += "s" if local_world_size != 1 else ""
+    if name == "gloo":
+        return BackendChoice("gloo", "backend=gloo")
     if name == "auto":
-        return "nccl" if cuda else "gloo"
-    if name == "nccl" and not cuda:
+        if not local_rank_given:
+            return BackendChoice("gloo", "auto: the launcher gave no LOCAL_RANK to pick a GPU by")
+        if gpus == 0:
+            return BackendChoice("gloo", "auto: no GPU visible")
+        if gpus < local_world_size:
+            return BackendChoice("gloo", f"auto: {seen}, nccl needs one GPU per rank")
+        return BackendChoice("nccl", f"auto: {seen}")
+    if gpus < local_world_size:
         raise ConfigError(
-            "backend.name=nccl needs CUDA but no GPU is visible here; "
-            "use backend=gloo (or backend=auto) on CPU."
+            f"backend.name=nccl needs one GPU per local rank but this node has {seen}; use "
+            f"backend=auto (gloo here), fewer ranks per node, or more GPUs (CUDA_VISIBLE_DEVICES)."
         )
-    return name
+    if not local_rank_given:
+        raise ConfigError(
+            "backend.name=nccl needs LOCAL_RANK to pick this rank's GPU but the launcher set "
+            "RANK and WORLD_SIZE without it; start the ranks with torchrun (or also export "
+            "LOCAL_RANK and LOCAL_WORLD_SIZE), or use backend=gloo."
+        )
+    return BackendChoice("nccl", f"backend=nccl: {seen}")
 
 
 def choose_device(backend: str, local_rank: int) -> torch.device:
@@ -137,11 +179,14 @@ def setup(cfg: BackendConfig) -> DistInfo:
     host = socket.gethostname()
     launcher = os.environ.get(LAUNCHER_VAR, "none")
     if not launched_by_torchrun():
-        device = choose_device(choose_backend(cfg.name), 0)
+        choice = choose_backend(cfg.name, 1)
         single = dict(rank=0, local_rank=0, world_size=1, local_world_size=1, backend=None)
-        return DistInfo(**single, device=device, host=host, launcher=launcher)
+        device = choose_device(choice.name, 0)
+        return DistInfo(**single, device=device, host=host, launcher=launcher, why=choice.why)
     ranks = cluster.detect()  # torchrun's variables, set by torchrun or by adopt_launcher
-    backend = choose_backend(cfg.name)
+    local_world, local_rank_given = node_ranks(1)
+    choice = choose_backend(cfg.name, local_world, local_rank_given=local_rank_given)
+    backend = choice.name
     device = choose_device(backend, ranks.local_rank)
     _share_cpu_threads(ranks.local_world_size)
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=cfg.timeout_s)}
@@ -160,6 +205,7 @@ def setup(cfg: BackendConfig) -> DistInfo:
         host=host,
         launcher=launcher,
         master=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
+        why=choice.why,
     )
 
 

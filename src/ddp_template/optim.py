@@ -21,12 +21,26 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     ]
 
 
+def fused(cfg: OptimConfig, model: nn.Module) -> bool:
+    """``optim.fused``; unset: fused where the parameters live on CUDA.
+
+    A fused optimizer takes the GradScaler's inf check as a tensor; any other one makes
+    ``GradScaler.step`` read it with ``.item()``, a host sync every fp16 step.
+    """
+    if cfg.fused is not None:
+        return cfg.fused
+    return any(p.is_cuda for p in model.parameters())
+
+
 def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
     groups = _param_groups(model, cfg.weight_decay)
+    kernel = fused(cfg, model)
     if cfg.name == OptimName.adamw:
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=kernel)
     nesterov = cfg.nesterov and cfg.momentum > 0
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=nesterov)
+    return torch.optim.SGD(
+        groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=nesterov, fused=kernel
+    )
 
 
 def build_scheduler(

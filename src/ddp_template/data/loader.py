@@ -90,13 +90,13 @@ def _worker_start_method() -> str:
     return "forkserver"
 
 
-def _loader_kwargs(num_workers: int, device: torch.device) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": device.type == "cuda"}
-    if num_workers > 0:
-        # Workers persist across epochs: one start per loader and run.
+def _loader_kwargs(cfg: Config, device: torch.device) -> dict[str, Any]:
+    pin = cfg.pin_memory and device.type == "cuda"
+    kwargs: dict[str, Any] = {"num_workers": cfg.num_workers, "pin_memory": pin}
+    if cfg.num_workers > 0:
         kwargs.update(
             worker_init_fn=functools.partial(init_worker, rank_pid=os.getpid()),
-            persistent_workers=True,
+            persistent_workers=cfg.persistent_workers,  # one start per loader and run
             prefetch_factor=4,
             multiprocessing_context=_worker_start_method(),
         )
@@ -135,7 +135,7 @@ def build_train_loader(
         sampler=sampler,
         drop_last=cfg.sampler.drop_last_batch,
         generator=generator,
-        **_loader_kwargs(cfg.num_workers, info.device),
+        **_loader_kwargs(cfg, info.device),
     )
 
 
@@ -146,7 +146,7 @@ def build_eval_loader(dataset: Dataset, cfg: Config, info: DistInfo) -> DataLoad
         dataset,
         batch_size=cfg.eval_batch_size,
         sampler=sampler,
-        **_loader_kwargs(cfg.num_workers, info.device),
+        **_loader_kwargs(cfg, info.device),
     )
 
 
