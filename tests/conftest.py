@@ -37,12 +37,14 @@ def compose_cfg() -> Callable[..., DictConfig]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``gpu`` tests need CUDA: skip them (with the reason) where there is none."""
+    """``gpu`` tests (``gpu(n)``: n GPUs, default 1) are the only ones that use CUDA: skip them,
+    with the reason, where this machine has fewer."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA (marker gpu); run benchmarks/gpu_check.sh on a GPU")
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        marker = item.get_closest_marker("gpu")
+        need = marker.args[0] if marker and marker.args else 1
+        if marker and found < need:
+            reason = f"needs {need} CUDA GPU{'s' if need > 1 else ''} (marker gpu), found {found}"
+            item.add_marker(pytest.mark.skip(reason=f"{reason}; run benchmarks/gpu_check.sh"))

@@ -37,11 +37,19 @@ def run_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# The CPU tests' backend, also on a GPU host: backend=auto would put their ranks on the GPUs
+# (and a 3-rank test on a 1-GPU host would then run on gloo, but a 2-rank one on nccl).
+CPU = "backend=gloo"
+
+
 def train_cmd(out: Path, *overrides: str, launcher: list[str] | None = None) -> list[str]:
-    """A train.py command writing under ``out`` (outputs/, multirun/)."""
+    """A train.py command writing under ``out`` (outputs/, multirun/), on gloo unless an
+    override chooses the backend."""
     paths = [f"paths.output_root={out / 'outputs'}", f"paths.multirun_root={out / 'multirun'}"]
     flags = [o for o in overrides if o.startswith("-")]  # -m / --multirun go before overrides
     rest = [o for o in overrides if not o.startswith("-")]
+    if not any(o.startswith(("backend=", "backend.name=")) for o in rest):
+        rest.insert(0, CPU)
     return [*(launcher or [PY]), str(ROOT / "train.py"), *flags, *paths, *rest]
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import PY, ROOT, jsonl, run, run_env, summary, train_cmd
+from helpers import CPU, PY, ROOT, jsonl, run, run_env, summary, train_cmd
 from omegaconf import DictConfig, OmegaConf
 
 from ddp_template.amp import autocast
@@ -361,6 +361,7 @@ def test_rename_commands_work_on_a_copy(tmp_path: Path) -> None:
         PY,
         str(repo / "train.py"),
         f"paths.output_root={tmp_path / 'outputs'}",
+        CPU,
         "debug=fast",
         "data=synthetic",
         "data.size=16",

@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import PY, ROOT, jsonl, run, run_env, summary
+from helpers import CPU, PY, ROOT, jsonl, run, run_env, summary
 
 pytestmark = pytest.mark.slow
 
 TINY = [
+    CPU,
     "epochs=1",
     "max_steps_per_epoch=3",
     "logger=none",
