@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Check a single-GPU machine in under 5 minutes: CUDA-only tests, a 1-rank nccl run with
-# SyncBN, and ResNet-18 images/s for amp=off/bf16/fp16 at 32x32 and 224x224.
+# Check a GPU machine in about 5 minutes: CUDA-only tests, SyncBN over nccl against plain BN
+# (fp32 and autocast) and a 2-rank nccl train.py run when 2 GPUs exist, and ResNet-18 images/s
+# for amp=off/bf16/fp16 at 32x32 and 224x224. Nothing passes by construction: on one rank
+# torch's SyncBN is plain BN, so with fewer than 2 GPUs the script says what it did not run.
 #
 #   benchmarks/gpu_check.sh                    # on the GPU machine
 #   GPU_CHECK_DRY=1 benchmarks/gpu_check.sh    # dry check on a CPU-only machine (tiny sizes,
@@ -57,9 +59,20 @@ print(f"torch {torch.__version__}, CUDA build {torch.version.cuda}, "
       f"CUDA available {torch.cuda.is_available()}")
 for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)
-    print(f"  cuda:{i} {p.name}, {p.total_memory / 2**30:.0f} GiB, bf16 "
-          f"{torch.cuda.is_bf16_supported()}")
+    print(f"  cuda:{i} {p.name}, {p.total_memory / 2**30:.0f} GiB, compute capability "
+          f"{p.major}.{p.minor}, native bf16 {(p.major, p.minor) >= (8, 0)}")
 EOF
+if [[ "$DRY" == 1 ]]; then
+    GPUS=0 HALF=bf16
+else
+    GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+    # amp=bf16 is refused without native bf16 (compute capability < 8.0): fp16 there.
+    HALF=$("$PY" -c 'import torch; print("bf16" if torch.cuda.get_device_capability() >= (8, 0) else "fp16")')
+fi
+AMPS=(off fp16)
+if [[ "$HALF" == bf16 ]]; then
+    AMPS=(off bf16 fp16)
+fi
 SHM_GB=$(df -k /dev/shm | awk 'NR==2 {print int($4 / 1048576)}')
 echo "run dirs under $OUT; dry=$DRY; $(nproc) CPU cores; /dev/shm ${SHM_GB} GiB free"
 if [[ "$DRY" != 1 && "$SHM_GB" -lt 4 ]]; then
@@ -71,28 +84,57 @@ if [[ "$DRY" != 1 ]] && ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.i
     exit 1
 fi
 
-step "CUDA-only tests (pytest -m gpu)"
+step "CUDA-only tests (pytest -m gpu; a skip says why)"
 if [[ "$DRY" == 1 ]]; then
     echo "skipped (dry run: no CUDA)"
 else
-    timeout "$RUN_TIMEOUT" "$PY" -m pytest -m gpu -q -p no:cacheprovider tests
+    timeout "$((2 * RUN_TIMEOUT))" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests \
+        -k "not syncbn_over_nccl"
 fi
 
-step "1-rank torchrun, backend=$BACKEND, syncbn=on"
-RUN_ID=gpu-check-syncbn timeout "$RUN_TIMEOUT" "$PY" -m torch.distributed.run --standalone \
-    --nproc-per-node=1 train.py "backend=$BACKEND" syncbn=on epochs=1 logger=none \
-    "paths.output_root=$OUT/outputs" "paths.multirun_root=$OUT/multirun"
-"$PY" - "$OUT/outputs/gpu-check-syncbn/summary.json" <<'EOF'
+step "SyncBN over nccl, 2 ranks, vs plain BN on the whole batch (fp32 and amp=$HALF)"
+if (( GPUS >= 2 )); then
+    log=$(timeout "$RUN_TIMEOUT" "$PY" -m pytest -q -rs -p no:cacheprovider \
+        tests/test_gpu.py::test_torch_syncbn_over_nccl_matches_plain_bn 2>&1) \
+        || { echo "$log"; exit 1; }
+    echo "$log" | tail -2
+    echo "$log" | grep -q "2 passed" || { echo "FAILED: both cases must run and pass"; exit 1; }
+else
+    echo "nccl SyncBN not exercised ($GPUS GPU)"
+fi
+
+finished() {  # a run's accuracy and its first log line: launcher, world, backend and why
+    "$PY" - "$1" <<'EOF'
 import json
 import sys
+from pathlib import Path
 
-s = json.load(open(sys.argv[1]))
-print(f"finished: eval accuracy {s['eval_accuracy']:.4f} on {s['world_size']} rank(s)")
+run_dir = Path(sys.argv[1])
+s = json.loads((run_dir / "summary.json").read_text())
+first = next(x for x in (run_dir / "train.log").open() if "launcher " in x)
+print(f"finished: eval accuracy {s['eval_accuracy']:.4f} on {s['world_size']} rank(s); "
+      f"{first.split(' - ', 1)[-1].strip()}")
 EOF
+}
+
+if (( GPUS >= 2 )); then
+    step "train.py on 2 ranks over nccl (torchrun, syncbn=on, amp=$HALF)"
+    RUN_ID=gpu-check-nccl2 timeout "$RUN_TIMEOUT" "$PY" -m torch.distributed.run --standalone \
+        --nproc-per-node=2 train.py backend=nccl syncbn=on "amp=$HALF" epochs=1 logger=none \
+        "paths.output_root=$OUT/outputs" "paths.multirun_root=$OUT/multirun"
+    finished "$OUT/outputs/gpu-check-nccl2"
+else
+    step "train.py on 1 rank, backend=$BACKEND, syncbn=on (wiring only: 1-rank SyncBN is plain BN)"
+    RUN_ID=gpu-check-1rank timeout "$RUN_TIMEOUT" "$PY" -m torch.distributed.run --standalone \
+        --nproc-per-node=1 train.py "backend=$BACKEND" syncbn=on epochs=1 logger=none \
+        "paths.output_root=$OUT/outputs" "paths.multirun_root=$OUT/multirun"
+    finished "$OUT/outputs/gpu-check-1rank"
+    echo "nccl 2-rank train.py run not exercised ($GPUS GPU)"
+fi
 
 step "ResNet-18 throughput on data=synthetic (batch $BATCH, $STEPS steps x 2 epochs)"
 for size in "${SIZES[@]}"; do
-    for amp in off bf16 fp16; do
+    for amp in "${AMPS[@]}"; do
         id="bench-${size}px-${amp}"
         echo "-- $id"
         RUN_ID=$id timeout "$RUN_TIMEOUT" "$PY" train.py model=resnet18 data=synthetic \
@@ -106,16 +148,16 @@ for size in "${SIZES[@]}"; do
 done
 
 step "images/s (last epoch, rank 0)"
-"$PY" - "$OUT/outputs" "${SIZES[@]}" <<'EOF'
+"$PY" - "$OUT/outputs" "${AMPS[*]}" "${SIZES[@]}" <<'EOF'
 import json
 import sys
 from pathlib import Path
 
-root, sizes = Path(sys.argv[1]), sys.argv[2:]
+root, amps, sizes = Path(sys.argv[1]), sys.argv[2].split(), sys.argv[3:]
 print(f"{'image':>7} {'amp':>5} {'images/s':>10} {'vs off':>7} {'step ms':>8} {'data wait':>10}")
 for size in sizes:
     base = None
-    for amp in ("off", "bf16", "fp16"):
+    for amp in amps:
         rows = (json.loads(line) for line in
                 (root / f"bench-{size}px-{amp}" / "rank0" / "metrics.jsonl").open())
         last = [r for r in rows if "perf/samples_per_s" in r][-1]

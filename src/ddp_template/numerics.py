@@ -25,10 +25,11 @@ def apply(cfg: Config) -> None:
     """Set this process's numerics; call at the start of each rank, before its CUDA work."""
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    # warn_only: an op without a deterministic kernel warns (naming itself) instead of failing
-    # mid-run; e.g. adaptive_avg_pool2d's CUDA backward, exact when the pooling windows do not
-    # overlap (the global pool of the built-in models), has no deterministic flag in torch.
-    torch.use_deterministic_algorithms(cfg.deterministic, warn_only=True)
+    if cfg.deterministic or torch.are_deterministic_algorithms_enabled():
+        # Only when asked (or to switch it off again): the call imports torch._inductor,
+        # seconds of start-up per rank. An op with no deterministic kernel then raises, naming
+        # itself, rather than silently breaking the bit-identical claim.
+        torch.use_deterministic_algorithms(cfg.deterministic)
     torch.backends.cudnn.deterministic = cfg.deterministic
     benchmark = not cfg.deterministic if cfg.cudnn_benchmark is None else cfg.cudnn_benchmark
     torch.backends.cudnn.benchmark = benchmark
