@@ -69,6 +69,7 @@ else
     # amp=bf16 is refused without native bf16 (compute capability < 8.0): fp16 there.
     HALF=$("$PY" -c 'import torch; print("bf16" if torch.cuda.get_device_capability() >= (8, 0) else "fp16")')
 fi
+GPU_WORDS="$GPUS GPU$( ((GPUS == 1)) || echo s)"  # for "not exercised (1 GPU)"
 AMPS=(off fp16)
 if [[ "$HALF" == bf16 ]]; then
     AMPS=(off bf16 fp16)
@@ -100,7 +101,7 @@ if (( GPUS >= 2 )); then
     echo "$log" | tail -2
     echo "$log" | grep -q "2 passed" || { echo "FAILED: both cases must run and pass"; exit 1; }
 else
-    echo "nccl SyncBN not exercised ($GPUS GPU)"
+    echo "nccl SyncBN not exercised ($GPU_WORDS)"
 fi
 
 finished() {  # a run's accuracy and its first log line: launcher, world, backend and why
@@ -129,7 +130,7 @@ else
         --nproc-per-node=1 train.py "backend=$BACKEND" syncbn=on epochs=1 logger=none \
         "paths.output_root=$OUT/outputs" "paths.multirun_root=$OUT/multirun"
     finished "$OUT/outputs/gpu-check-1rank"
-    echo "nccl 2-rank train.py run not exercised ($GPUS GPU)"
+    echo "nccl 2-rank train.py run not exercised ($GPU_WORDS)"
 fi
 
 step "ResNet-18 throughput on data=synthetic (batch $BATCH, $STEPS steps x 2 epochs)"
