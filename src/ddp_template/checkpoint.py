@@ -76,7 +76,8 @@ def _rng_state() -> dict[str, Any]:
         "numpy": np_state[1].tobytes(),
         "numpy_pos": int(np_state[2]),
     }
-    if torch.cuda.is_available():
+    # is_initialized, not is_available: a gloo rank on a GPU host must not create a CUDA context.
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
     return state
 
@@ -90,7 +91,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((state["python_version"], tuple(state["python"]), None))
     np_keys = np.frombuffer(state["numpy"], dtype=np.uint32).copy()
     np.random.set_state(("MT19937", np_keys, state["numpy_pos"], 0, 0.0))
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and torch.cuda.is_initialized():
         torch.cuda.set_rng_state(_bytes_tensor(state["cuda"]))
 
 
