@@ -32,6 +32,7 @@ import pickle
 import statistics
 import sys
 import time
+import tracemalloc
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +84,10 @@ def after(n: int, world: int, repeats: int) -> dict[str, Any]:
         "data/duplicates": sampler.padding_in_prefix(sampler.num_samples),
         "perf/step_s": 0.1,
     }
+    tracemalloc.start()
     stats.tally.fp = own_check(stats, sampler, 0, metrics, rank=0)["expected"]  # a correct rank
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -93,7 +97,7 @@ def after(n: int, world: int, repeats: int) -> dict[str, Any]:
         report = epoch_report(sampler, rows)
         times.append(time.perf_counter() - t0)
     assert report["verdict"] == "ok" and report["coverage"] == 1.0, report
-    return {"s": times, "bytes": wire_bytes([mine], world)}
+    return {"s": times, "bytes": wire_bytes([mine], world), "peak": peak}
 
 
 def before(n: int, world: int, repeats: int) -> dict[str, Any]:
@@ -116,8 +120,11 @@ def before(n: int, world: int, repeats: int) -> dict[str, Any]:
             row["fingerprint"] = fingerprint_sum(row["indices"])
         rows.append(row)
     payloads = [pickle.dumps(row) for row in rows]
-    times = []
-    for _ in range(repeats):
+    times, peak = [], None
+    for rep in range(repeats + keep):  # with lists, one more run traces the memory it adds
+        traced = keep and rep == 0
+        if traced:
+            tracemalloc.start()
         t0 = time.perf_counter()
         pickle.dumps(rows[0])  # rank 0's own payload
         observed = [pickle.loads(p) for p in payloads]
@@ -126,10 +133,15 @@ def before(n: int, world: int, repeats: int) -> dict[str, Any]:
             for r, o in enumerate(observed)
         ]
         report = shard_report("padded", n, observed, expected)
-        times.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
         del observed
+        if traced:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        else:
+            times.append(elapsed)
     assert report["verdict"] == "ok" or not keep, report["verdict"]
-    return {"s": times, "bytes": wire_bytes(payloads, world), "lists": keep}
+    return {"s": times, "bytes": wire_bytes(payloads, world), "lists": keep, "peak": peak}
 
 
 def human_bytes(b: int) -> str:
@@ -139,10 +151,12 @@ def human_bytes(b: int) -> str:
     return f"{b} B"
 
 
-def cell(result: dict[str, Any]) -> str:
+def cell(result: dict[str, Any], note: str = "") -> str:
     times = result["s"]
     spread = f" ({min(times):.3f}–{max(times):.3f})" if len(times) > 1 else " (1 run)"
-    return f"{statistics.median(times):.3f}{spread} | {human_bytes(result['bytes'])}"
+    peak = "—" if result["peak"] is None else human_bytes(result["peak"])
+    traffic = human_bytes(result["bytes"]) + note
+    return f"{statistics.median(times):.3f}{spread} | {traffic} | {peak}"
 
 
 def main() -> None:
@@ -160,8 +174,9 @@ def main() -> None:
     load = [os.getloadavg()[0]]
     lines = [
         "| N | W | before: s per rank, median (min–max) | before: bytes per rank "
-        "| after: s per rank, median (min–max) | after: bytes per rank | speed-up |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| before: peak memory added | after: s per rank, median (min–max) "
+        "| after: bytes per rank | after: peak memory added | speed-up |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n in (int(s) for s in args.sizes):
         for world in args.worlds:
@@ -171,8 +186,8 @@ def main() -> None:
             new = after(n, world, args.repeats)
             load.append(os.getloadavg()[0])
             ratio = statistics.median(old["s"]) / statistics.median(new["s"])
-            mark = "" if old["lists"] else " (no lists: N > max_n)"
-            lines.append(f"| {n:.0e} | {world} | {cell(old)}{mark} | {cell(new)} | {ratio:.0f}x |")
+            note = "" if old["lists"] else " (no lists: N > max_n)"
+            lines.append(f"| {n:.0e} | {world} | {cell(old, note)} | {cell(new)} | {ratio:.0f}x |")
             print(f"done N={n:.0e} W={world}", file=sys.stderr, flush=True)
     above = args.before_repeats_above_max_n
     print(f"{args.repeats} repeats ({above} for 'before' above shard_report_max_n); ", end="")
