@@ -115,7 +115,7 @@ def all_match(rows: list[dict[str, Any]]) -> bool:
 
 
 def expected_fingerprint(
-    sampler: Any, rank: int, start: int, count: int, block: int = 1 << 20
+    sampler: Any, rank: int, start: int, count: int, block: int = 1 << 18
 ) -> int:
     """Fingerprint of positions ``[start, start+count)`` of ``rank``'s list as the mode defines
     it, computed in blocks: O(count) time, O(block) memory, whatever N is."""
