@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 
 from ddp_template.data.accounting import IndexTally, fingerprint, fingerprint_sum
 from ddp_template.data.samplers import ShardSampler
-from ddp_template.data.shard_check import expected_fingerprint, shard_report
+from ddp_template.data.shard_check import (
+    all_match,
+    derived_coverage,
+    epoch_metrics,
+    epoch_report,
+    expected_fingerprint,
+    own_check,
+    shard_report,
+)
+from ddp_template.engine import EpochStats
 
 M = 2**64 - 1
 
@@ -113,3 +124,100 @@ def test_tally_folds_many_batches_without_losing_any() -> None:
     everything = np.concatenate(batches)
     assert t.fp == fingerprint_sum(everything) and t.samples == len(everything)
     assert t.indices().tolist() == everything.tolist()
+
+
+# ------------------------------------------------ each rank checks itself; rank 0 gets rows only
+def _oracle_coverage(n: int, lists: list[np.ndarray]) -> dict:
+    """Coverage, overlap and repeats counted from the index lists, with sets."""
+    seen = [set(idx.tolist()) for idx in lists]
+    covered = len(set().union(*seen))
+    owners = {i: sum(i in s for s in seen) for i in set().union(*seen)}
+    reads = sum(len(idx) for idx in lists)
+    overlap = sum(k > 1 for k in owners.values())
+    return {
+        "coverage": covered / n,
+        "covered": covered,
+        "overlap": overlap,
+        "repeats": reads - covered,
+    }
+
+
+@pytest.mark.parametrize("mode", ["padded", "drop_last", "sequential"])
+@pytest.mark.parametrize("n,w", [(1, 1), (7, 3), (11, 2), (12, 4), (5, 8), (3, 7), (100, 9)])
+def test_derived_coverage_is_what_the_lists_say(mode: str, n: int, w: int) -> None:
+    """Any per-rank range of positions (resumed starts, capped or dropped last batches)."""
+    if mode == "drop_last" and w > n:
+        return  # refused at startup: no rank would get a sample
+    samplers = _samplers(n, w, mode, [5] * w, [2] * w)
+    length, rng = samplers[0].num_samples, np.random.default_rng(n * 31 + w)
+    for _ in range(25):
+        starts = rng.integers(0, length + 1, w)
+        ranges = [(int(s), int(rng.integers(0, length - s + 1))) for s in starts]
+        lists = [samplers[r].rank_indices()[s : s + c] for r, (s, c) in enumerate(ranges)]
+        assert derived_coverage(samplers[0], ranges) == _oracle_coverage(n, lists)
+
+
+def _epoch_rows(samplers: list[ShardSampler], start: int, count: int, seen=None):
+    """Every simulated rank's own_check row after reading ``count`` positions from ``start`` of
+    its own sampler's list, or the indices ``seen[r]`` where a test makes rank r's loader err."""
+    rows, lists = [], []
+    for r, s in enumerate(samplers):
+        idx = (seen or {}).get(r, s.rank_indices()[start : start + count])
+        stats = EpochStats(IndexTally(keep=True))
+        for batch in np.array_split(idx, max(1, len(idx) // 8)):
+            stats.tally.add(batch)
+        metrics = epoch_metrics(stats, s, start, s.epoch)
+        rows.append(own_check(stats, s, start, metrics, rank=r))
+        lists.append(stats.tally.indices())
+    return rows, lists
+
+
+@pytest.mark.parametrize("mode", ["padded", "drop_last", "sequential"])
+@pytest.mark.parametrize("start,count", [(0, None), (40, 96), (0, 8)])
+def test_a_clean_epoch_is_reported_exactly_from_rows_alone(mode: str, start: int, count) -> None:
+    samplers = _samplers(1003, 4, mode, [0] * 4, [3] * 4)
+    count = samplers[0].num_samples - start if count is None else count
+    rows, lists = _epoch_rows(samplers, start, count)
+    report = epoch_report(samplers[0], rows)
+    assert report["verdict"] == "ok" and all(r["matches"] for r in report["ranks"])
+    from_lists = epoch_report(samplers[0], rows, lists)
+    keys = ("coverage", "covered", "overlap", "repeats", "total_samples")
+    assert {k: report[k] for k in keys} == {k: from_lists[k] for k in keys}
+    assert len(pickle.dumps(rows)) < 2048  # what the ranks exchange: no index list
+
+
+def test_a_wrong_seed_passes_its_own_check_but_not_the_definitions() -> None:
+    samplers = _samplers(1000, 4, "padded", [0, 0, 7, 0], [1] * 4)
+    rows, lists = _epoch_rows(samplers, 0, 250)
+    assert rows[2]["expected"] == rows[2]["fingerprint"]  # its loader did follow its sampler
+    assert not all_match(rows)
+    report = epoch_report(samplers[0], rows, lists)
+    assert (
+        report["verdict"]
+        == "MISMATCH: rank 2's sampler defines another padded epoch than the others"
+    )
+    assert [r["matches"] for r in report["ranks"]] == [True, True, False, True]
+    assert report["overlap"] > 0  # the lists gathered on a mismatch show it
+
+
+def test_the_odd_rank_out_is_named_even_when_it_is_rank_0() -> None:
+    stale = _samplers(1000, 4, "drop_last", [0] * 4, [0, 1, 1, 1])  # rank 0 missed set_epoch
+    report = epoch_report(stale[0], _epoch_rows(stale, 0, 250)[0])
+    assert "rank 0" in report["verdict"] and "rank 1" not in report["verdict"]
+    assert "coverage" not in report  # no lists, no derived coverage after a mismatch
+
+
+def test_a_loader_that_reads_another_ranks_batch_is_caught() -> None:
+    samplers = _samplers(1000, 4, "padded", [0] * 4, [1] * 4)
+    wrong = samplers[3].rank_indices()[:100].copy()
+    wrong[8:16] = samplers[1].rank_indices()[8:16]
+    rows, _ = _epoch_rows(samplers, 0, 100, seen={3: wrong})
+    report = epoch_report(samplers[0], rows)
+    assert report["verdict"] == "MISMATCH: rank 3 saw indices that differ from its padded shard"
+
+
+def test_a_rank_that_reads_past_its_list_mismatches_instead_of_raising() -> None:
+    samplers = _samplers(1000, 4, "padded", [0] * 4, [1] * 4)
+    extra = np.append(samplers[1].rank_indices()[200:], 5)
+    report = epoch_report(samplers[0], _epoch_rows(samplers, 200, 50, seen={1: extra})[0])
+    assert report["verdict"] == "MISMATCH: rank 1 saw indices that differ from its padded shard"

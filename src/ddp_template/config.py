@@ -255,7 +255,7 @@ class Config:
     max_steps_per_epoch: int | None = None  # cap each epoch at this many steps (smoke runs)
     log_every: int = 10  # steps between interval logs
     resume: str = "auto"  # auto | never | <path to a checkpoint>
-    shard_report_max_n: int = 10_000_000  # exact coverage/overlap report up to this many samples
+    shard_report_max_n: int = 10_000_000  # ranks keep their indices for a mismatch's report
     # Numerics and GPU speed (numerics.py, data/loader.py; README "GPU hosts").
     deterministic: bool = False  # deterministic algorithms, cuDNN benchmark off
     matmul_precision: MatmulPrecision = MatmulPrecision.high  # high: TF32 matmuls on GPUs

@@ -1,20 +1,29 @@
-"""Shard verification: every rank's epoch gathered on rank 0 and checked against its sampler.
+"""Shard verification: every rank checks its own epoch; rank 0 combines a few numbers per rank.
 
-A rank's tally (count, fingerprint, and for small N the indices) is compared with the
-fingerprint of exactly the positions its sampler mode defines from where the epoch started:
-the loader may drop a last batch or a run may cap its steps, but a rank must never reorder,
-skip or read another rank's data. The report also carries the exact coverage and overlap (small
-N) and the slowest rank's step time over the fastest's.
+Each rank compares its tally's fingerprint with the fingerprint of exactly the positions its
+sampler mode defines from where the epoch started (O(N/W) work on every rank at once): the loader
+may drop a last batch or a run may cap its steps, but a rank must never reorder, skip or read
+another rank's data. Only a row per rank is gathered (O(W) bytes): counts, fingerprints and what
+each rank's sampler defines for the epoch. When every rank matches and the ranks agree on the
+definition, the exact coverage, overlap and repeats follow from the mode's layout in O(W); on a
+mismatch, the index lists (kept up to ``shard_report_max_n``) are gathered so that the report
+shows what the ranks really read. The report also carries the slowest rank's step time over the
+fastest's.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
 
 from ddp_template.data.accounting import fingerprint_hex, fingerprint_sum
+from ddp_template.data.splitmix import splitmix64
 from ddp_template.distributed import DistInfo, gather_objects
+
+_M64 = 2**64 - 1
+DEFINITION_PROBES = 64  # slots of the epoch hashed into a rank's definition digest
 
 
 def epoch_metrics(stats: Any, sampler: Any, start: int, epoch: int) -> dict[str, Any]:
@@ -31,28 +40,55 @@ def epoch_metrics(stats: Any, sampler: Any, start: int, epoch: int) -> dict[str,
 def verify_epoch(
     stats: Any, sampler: Any, start: int, metrics: dict[str, Any], info: DistInfo
 ) -> dict[str, Any] | None:
-    """Gather every rank's epoch and check it: the report on rank 0, None elsewhere.
+    """Check this rank's epoch, gather every rank's row: the report on rank 0, None elsewhere.
 
     A collective: call it on every rank. ``start`` is the sampler position the epoch began at
     (non-zero after a mid-epoch resume).
     """
-    mine = {
-        "samples": stats.tally.samples,
-        "duplicates": metrics["data/duplicates"],
-        "fingerprint": stats.tally.fp,
-        "step_s": metrics["perf/step_s"],
-        "start": start,
-    }
-    if stats.tally.keep:
-        mine["indices"] = stats.tally.indices()
-    observed = gather_objects(mine, info)
+    rows = gather_objects(own_check(stats, sampler, start, metrics, rank=info.rank), info)
+    lists = None
+    # Every rank holds the same rows, so every rank takes (or skips) this second collective.
+    if not all_match(rows) and all(row["kept"] for row in rows):
+        lists = gather_objects(stats.tally.indices(), info)
     if not info.is_main:
         return None
-    expected = [
-        expected_fingerprint(sampler, r, o["start"], o["samples"]) for r, o in enumerate(observed)
-    ]
-    report = shard_report(sampler.mode, sampler.dataset_size, observed, expected)
-    step_times = [o["step_s"] for o in observed]
+    return epoch_report(sampler, rows, lists)
+
+
+def own_check(
+    stats: Any, sampler: Any, start: int, metrics: dict[str, Any], *, rank: int
+) -> dict[str, Any]:
+    """This rank's row of the gather: what it saw, the fingerprint its own shard defines for
+    that (O(samples) time, O(1) memory) and its sampler's definition of the epoch."""
+    samples = stats.tally.samples
+    defined = max(0, min(samples, sampler.num_samples - start))  # more than its list never matches
+    return {
+        "samples": samples,
+        "duplicates": metrics["data/duplicates"],
+        "fingerprint": stats.tally.fp,
+        "expected": expected_fingerprint(sampler, rank, start, defined),
+        "definition": definition(sampler),
+        "step_s": metrics["perf/step_s"],
+        "start": start,
+        "kept": stats.tally.keep,
+    }
+
+
+def epoch_report(
+    sampler: Any, rows: list[dict[str, Any]], lists: list[np.ndarray] | None = None
+) -> dict[str, Any]:
+    """Rank 0's report from every rank's ``own_check`` row (and, after a mismatch, the ranks'
+    index lists): O(W) work, plus O(N) only on the mismatch path with lists."""
+    expected = agreed_expectations(rows)
+    if lists is None:
+        observed, coverage = rows, None
+        if all_match(rows):
+            coverage = derived_coverage(sampler, [(row["start"], row["samples"]) for row in rows])
+    else:
+        observed = [{**row, "indices": idx} for row, idx in zip(rows, lists, strict=True)]
+        coverage = None
+    report = shard_report(sampler.mode, sampler.dataset_size, observed, expected, coverage=coverage)
+    step_times = [row["step_s"] for row in rows]
     slowest = max(range(len(step_times)), key=step_times.__getitem__)
     fastest = min(step_times)
     report["slowest_rank"] = slowest
@@ -60,32 +96,105 @@ def verify_epoch(
     return report
 
 
+def agreed_expectations(rows: list[dict[str, Any]]) -> list[int | None]:
+    """Each rank's own expected fingerprint, or None where its sampler defines another epoch
+    than most ranks do (a tie goes to rank 0's definition).
+
+    A rank that checks itself against its own sampler cannot see that the sampler is wrong (a
+    different seed, a missed ``set_epoch``, another world size): comparing definitions can.
+    """
+    definitions = [row["definition"] for row in rows]
+    votes = Counter(definitions)
+    reference = max(votes, key=lambda d: (votes[d], d == definitions[0]))
+    return [row["expected"] if row["definition"] == reference else None for row in rows]
+
+
+def all_match(rows: list[dict[str, Any]]) -> bool:
+    expected = agreed_expectations(rows)
+    return all(e == row["fingerprint"] for e, row in zip(expected, rows, strict=True))
+
+
 def expected_fingerprint(
-    sampler: Any, rank: int, start: int, count: int, block: int = 1 << 20
+    sampler: Any, rank: int, start: int, count: int, block: int = 1 << 18
 ) -> int:
     """Fingerprint of positions ``[start, start+count)`` of ``rank``'s list as the mode defines
     it, computed in blocks: O(count) time, O(block) memory, whatever N is."""
     total = 0
     for lo in range(start, start + count, block):
         positions = np.arange(lo, min(lo + block, start + count), dtype=np.int64)
-        total = (total + fingerprint_sum(sampler.index_at(positions, rank))) & (2**64 - 1)
+        total = (total + fingerprint_sum(sampler.index_at(positions, rank))) & _M64
     return total
 
 
-def shard_report(
-    mode: str, dataset_size: int, observed: list[dict[str, Any]], expected: list[int]
-) -> dict[str, Any]:
-    """Rank 0's verdict on one epoch: did every rank see what its sampler mode defines?
+def definition(sampler: Any, probes: int = DEFINITION_PROBES) -> tuple[Any, ...]:
+    """What ``sampler`` defines for its epoch, in a few numbers: the mode, N, W, L and a hash of
+    the (slot, index) pairs at ``probes`` positions spread over the first and the last rank's
+    lists (so over the whole epoch; each rank checks its own list in full)."""
+    length, world = sampler.num_samples, sampler.num_replicas
+    positions = np.unique(np.linspace(0, max(length - 1, 0), num=min(probes, length) // 2 + 1))
+    positions = positions.astype(np.int64) if length else np.zeros(0, dtype=np.int64)
+    digest = 0
+    for r in sorted({0, world - 1}):
+        slots = sampler.rule.slots(positions, r, length, world).astype(np.uint64)
+        pairs = splitmix64(sampler.index_at(positions, r)) ^ slots
+        digest = (digest + fingerprint_sum(pairs)) & _M64
+    return (sampler.mode, sampler.dataset_size, world, length, digest)
 
-    ``observed[r]`` holds rank r's ``samples``, ``duplicates``, ``fingerprint`` (int) and,
-    for small N, ``indices``. ``expected[r]`` is the fingerprint of the first ``samples`` indices
-    rank r's list holds from where the epoch started: a rank must have seen exactly those (the
-    loader may drop a last batch, or a run may cap its steps, but never reorder or skip).
+
+def derived_coverage(sampler: Any, ranges: list[tuple[int, int]]) -> dict[str, Any]:
+    """Exact coverage, overlap and repeats when rank r read exactly the positions
+    ``[start, start + count)`` (``ranges[r]``) of its list as the mode defines it: O(W) time and
+    memory, no index list.
+
+    Slot j holds perm(j mod N) and perm is a bijection, so two slots hold the same dataset index
+    exactly when they agree mod N. Only the residues of padding slots (j >= N, fewer than W of
+    them) have more than one slot; every other slot read is one index read once.
+    """
+    n, length, world = sampler.dataset_size, sampler.num_samples, sampler.num_replicas
+    reads = sum(count for _, count in ranges)
+    if n == 0:
+        return {"coverage": 0.0, "covered": 0, "overlap": 0, "repeats": 0}
+    total = length * world
+    residues = np.unique(np.arange(n, total, dtype=np.int64) % n)
+    slots = residues[:, None] + n * np.arange(-(-total // n), dtype=np.int64)[None, :]
+    exists = slots < total
+    ranks, positions = sampler.rule.owners(np.where(exists, slots, 0), length, world)
+    start = np.array([s for s, _ in ranges], dtype=np.int64)
+    stop = start + np.array([c for _, c in ranges], dtype=np.int64)
+    read = exists & (positions >= start[ranks]) & (positions < stop[ranks])
+    a_reader = np.where(read, ranks, -1).max(axis=1, initial=-1)
+    covered = reads - int(read.sum()) + int(read.any(axis=1).sum())
+    return {
+        "coverage": covered / n,
+        "covered": covered,
+        "overlap": int((read & (ranks != a_reader[:, None])).any(axis=1).sum()),
+        "repeats": reads - covered,
+    }
+
+
+def shard_report(
+    mode: str,
+    dataset_size: int,
+    observed: list[dict[str, Any]],
+    expected: list[int | None],
+    *,
+    coverage: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The verdict on one epoch: did every rank see what its sampler mode defines?
+
+    ``observed[r]`` holds rank r's ``samples``, ``duplicates``, ``fingerprint`` (int) and, when
+    gathered, ``indices``. ``expected[r]`` is the fingerprint of the first ``samples`` indices
+    rank r's list holds from where the epoch started (a rank must have seen exactly those: the
+    loader may drop a last batch, or a run may cap its steps, but never reorder or skip), or
+    None where rank r's sampler defines another epoch than the other ranks'. Coverage comes
+    from the indices when every rank's are given, else from ``coverage`` (``derived_coverage``).
     """
     rows, problems = [], []
     for r, o in enumerate(observed):
         ok = expected[r] == o["fingerprint"]
-        if not ok:
+        if expected[r] is None:
+            problems.append(f"rank {r}'s sampler defines another {mode} epoch than the others")
+        elif not ok:
             problems.append(f"rank {r} saw indices that differ from its {mode} shard")
         rows.append(
             {
@@ -104,12 +213,14 @@ def shard_report(
     }
     if all("indices" in o for o in observed):
         report.update(_coverage(dataset_size, [o["indices"] for o in observed]))
+    elif coverage is not None:
+        report.update(coverage)
     report["verdict"] = "ok" if not problems else "MISMATCH: " + "; ".join(problems)
     return report
 
 
 def _coverage(n: int, per_rank: list[np.ndarray]) -> dict[str, Any]:
-    """Unique coverage of the dataset and overlap between ranks (exact; small N only)."""
+    """Unique coverage of the dataset and overlap between ranks, from the index lists (O(N))."""
     counts = np.zeros(n, dtype=np.int64)
     owners = np.zeros(n, dtype=np.int64)
     for idx in per_rank:
