@@ -159,3 +159,35 @@ def test_a_bare_false_and_null_are_accepted(compose_cfg: Callable[..., DictConfi
     check(cfg)
     assert cfg.logger.checkpoints == "false" and cfg.logger.straggler_alert is None
     check(typed(compose_cfg("logger.log_checkpoints=last")))
+
+
+@pytest.mark.parametrize("r", [0, 1])
+def test_shared_mode_that_cannot_reach_a_server(
+    r: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """W&B itself takes the shared settings; with no server the primary (rank 0) goes offline,
+    and a worker, which alone offline would be a stray run, logs to its JSONL only."""
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for var in ("HOME", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_CACHE_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # a closed local port
+    cfg = LoggerConfig(layout=WandbLayout.shared, mode=WandbMode.online)
+    logger = RankLogger(
+        cfg=cfg,
+        run=RunInfo(run_id="shared", run_dir=tmp_path),
+        info=rank(r, r, world_size=2),
+        config={"sampler": {"mode": "padded"}},
+    )
+    assert logger.layout.name == "shared"
+    logger.ready()
+    started = logger.wandb is not None
+    logger.finish()
+    warnings = [x.getMessage() for x in caplog.records if x.levelno == logging.WARNING]
+    if r == 0:
+        assert started and len(warnings) == 1 and "logging offline instead" in warnings[0]
+        (wb,) = find_runs(tmp_path)
+        assert (wb.name, wb.config["wandb_layout"]) == ("shared", "shared")
+    else:
+        assert not started and len(warnings) == 1 and "metrics.jsonl only" in warnings[0]
+        assert not find_runs(tmp_path)

@@ -29,7 +29,7 @@ from ddp_template.run_identity import RunInfo
 
 log = logging.getLogger("ddp_template")
 
-SHARED_MIN_VERSION = "0.19.9"  # the first wandb whose Settings take x_primary and friends
+SHARED_MIN_VERSION = "0.19.6"  # the first whose Settings take x_primary (0.19.5: x_primary_node)
 
 
 @dataclass(frozen=True)
@@ -141,10 +141,10 @@ def start_wandb(
     attempts = [mode]
     if mode != "offline" and (layout.name != WandbLayout.shared or info.is_main):
         attempts.append("offline")  # a shared-mode worker alone offline would be a stray run
-    settings = _settings(wandb, cfg, layout, info)
     error: Exception | None = None
     for attempt in attempts:
         try:
+            settings = _settings(wandb, cfg, layout, info)  # an older W&B refuses them here
             wb = wandb.init(mode=attempt, settings=settings, **kwargs)
         except Exception as exc:  # W&B must never stop training
             error = exc
