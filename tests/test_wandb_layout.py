@@ -120,6 +120,7 @@ def test_alerts_once_and_best_checkpoint_versions(
         )
         logger.log_checkpoint(tmp_path / "last.pt", kind="last", step=0, epoch=0, metrics={})
     logger.finish()
+    wandb.teardown()  # as at process exit: W&B's service has written the whole file
     warnings = [r.getMessage() for r in caplog.records]
     assert sum("SHARD MISMATCH in epoch" in m for m in warnings) == 2
     assert sum("STRAGGLER in epoch" in m for m in warnings) == 2
@@ -183,6 +184,7 @@ def test_shared_mode_that_cannot_reach_a_server(
     logger.ready()
     started = logger.wandb is not None
     logger.finish()
+    wandb.teardown()  # as at process exit: W&B's service has written the whole file
     warnings = [x.getMessage() for x in caplog.records if x.levelno == logging.WARNING]
     if r == 0:
         assert started and len(warnings) == 1 and "logging offline instead" in warnings[0]
