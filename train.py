@@ -128,7 +128,7 @@ def fit(
             stats = train_one_epoch(tr, state, after_step, logger.log_interval)
             logger.end_epoch()
             metrics = epoch_metrics(stats, tr.sampler, start, epoch)
-            logger.log(metrics, state.step)
+            logger.log_epoch(metrics, state.step)  # a collective with one W&B run
             report = verify_epoch(stats, tr.sampler, start, metrics, info)  # a collective
             if report is not None:
                 logger.log_shard_report(report, epoch, state.step)
@@ -138,6 +138,13 @@ def fit(
             logger.log_eval(result, epoch, state.step)
             state.epoch, state.position = epoch + 1, 0
             ckpt.save(state, epoch_end=True)
+            logger.log_checkpoint(
+                ckpt.last,
+                kind="last",
+                step=state.step,
+                epoch=epoch,
+                metrics={"eval/accuracy": result.accuracy, "eval/loss": result.loss},
+            )
             if epoch + 1 < cfg.epochs and preempt.sync():  # a signal late in the epoch
                 preempt.stop(state.step, ckpt.last)
     finally:
@@ -167,8 +174,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
             info=info,
         )
         state = resume(cfg, ckpt)
-        logger.wait_ready()  # this rank's W&B run...
-        distributed.barrier(info)  # ...and every rank's exist before anyone logs
+        logger.ready()  # every rank's W&B run exists before anyone logs
         logger.log_sizes(built.splits, state.step)
         picture = draw_shards_async(built.trainer.sampler, run.run_dir) if info.is_main else None
         result = fit(cfg, built, state, ckpt, logger)

@@ -1,13 +1,15 @@
-"""Per-rank W&B runs read back from the offline files: who saw what, per sampler mode.
+"""W&B runs read back from the offline files: who saw what, per sampler mode and layout.
 
 The expected per-rank samples and fingerprints are recomputed here from torch's own
 DistributedSampler (padded, drop_last) and from the definition in docs/ARCHITECTURE.md
 (sequential), so a template that shards wrongly, forgets set_epoch or logs the wrong rank fails
-these tests.
+these tests. The sampler-mode runs use the default layout (per_rank for 2 ranks); the one-run
+layouts (main, and shared offline, which falls back to main) get one short run each.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +56,9 @@ def mode_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
             "data.image_size=8",
             "batch_size=4",
             "log_every=1",
-        )
+            "logger.log_checkpoints=last",
+        ),
+        env=run_env(WANDB_DATA_DIR=str(out / "wandb-data")),  # W&B's artifact staging copies
     )
     (run_dir,) = run_dirs(out)
     runs = sorted(find_runs(run_dir), key=lambda r: r.config["rank"])
@@ -122,6 +126,29 @@ def test_interval_rows_share_one_step_axis(mode_run) -> None:
         ]
 
 
+def test_per_rank_layout_system_metrics_and_checkpoints(mode_run) -> None:
+    """auto picks per_rank for 2 ranks; stats on local rank 0 only; last.pt as an artifact."""
+    _, run_dir, runs = mode_run
+    log = (run_dir / "train.log").read_text()
+    assert "W&B layout per_rank (auto: 2 ranks <= logger.per_rank_max=8)" in log
+    assert [(wb.config["wandb_layout"], wb.config["system_metrics"]) for wb in runs] == [
+        ("per_rank", True),
+        ("per_rank", False),
+    ]
+    assert runs[0].labels == {"rank0"} and not runs[1].stats
+    evals = [x for x in jsonl(run_dir / "rank0" / "metrics.jsonl") if "eval/accuracy" in x]
+    models = [[a for a in wb.artifacts if a["type"] == "model"] for wb in runs]
+    assert len(models[0]) == EPOCHS and not models[1]
+    for epoch, (artifact, ev) in enumerate(zip(models[0], evals, strict=True)):
+        assert artifact["name"] == f"checkpoint-{run_dir.name}" and artifact["type"] == "model"
+        assert artifact["files"] == ["last.pt"] and {"last", f"epoch-{epoch}"} <= set(
+            artifact["aliases"]
+        )
+        meta = artifact["metadata"]
+        assert (meta["kind"], meta["epoch"], meta["step"]) == ("last", epoch, ev["step"])
+        assert (meta["eval/accuracy"], meta["eval/loss"]) == (ev["eval/accuracy"], ev["eval/loss"])
+
+
 def test_rank0_logs_eval_and_picture(mode_run) -> None:
     _, run_dir, runs = mode_run
     assert len(rows_with(runs[0], "eval/accuracy")) == EPOCHS
@@ -176,3 +203,58 @@ def test_wandb_that_cannot_go_online_falls_back_to_offline(tmp_path: Path) -> No
     runs = find_runs(run_dir)
     assert sorted(r.config["rank"] for r in runs) == [0, 1]  # offline files, training went on
     assert (run_dir / "summary.json").is_file()
+
+
+@pytest.fixture(scope="module", params=["main", "shared"])
+def one_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """2 ranks, 1 epoch: auto with per_rank_max=1 (so: main), or shared offline (so: main)."""
+    layout = ["logger.per_rank_max=1"] if request.param == "main" else ["logger.layout=shared"]
+    out = tmp_path_factory.mktemp(request.param)
+    proc = run(
+        train_cmd(
+            out,
+            *layout,
+            "dist.nproc=2",
+            "epochs=1",
+            "data=synthetic",
+            f"data.size={N}",
+            "data.eval_size=5",
+            "data.image_size=8",
+            "batch_size=4",
+            "checkpoint.enabled=false",
+        )
+    )
+    (run_dir,) = run_dirs(out)
+    return request.param, run_dir, proc.stdout + proc.stderr
+
+
+def test_one_run_holds_every_rank(one_run) -> None:
+    layout, run_dir, out = one_run
+    why = (
+        "auto: 2 ranks > logger.per_rank_max=1"
+        if layout == "main"
+        else "logger.layout=shared, fallen back"
+    )
+    assert f"W&B layout main ({why}" in out
+    warning = "logger.layout=shared falls back to main: W&B's shared mode needs logger.mode=online"
+    assert out.count(warning) == (layout == "shared")
+    (wb,) = find_runs(run_dir)  # rank 1 starts no W&B run
+    assert wb.path.is_relative_to(run_dir / "rank0" / "wandb")
+    assert (wb.group, wb.name, wb.job_type) == (run_dir.name, run_dir.name, "main")
+    assert (wb.config["wandb_layout"], wb.config["world_size"]) == ("main", 2)
+    assert wb.labels == {"rank0"}  # system metrics: local rank 0
+    (row,) = rows_with(wb, "data/samples/rank1")
+    want = expected_lists("padded", 0)
+    for r in range(W):
+        (mine,) = [x for x in jsonl(run_dir / f"rank{r}" / "metrics.jsonl") if "data/samples" in x]
+        assert row[f"data/samples/rank{r}"] == mine["data/samples"] == len(want[r])
+        fp = fingerprint(np.array(want[r]))
+        assert row[f"data/fingerprint/rank{r}"] == mine["data/fingerprint"] == fp
+        assert row[f"perf/step_s/rank{r}"] == mine["perf/step_s"]
+    (path,) = [x["shards/report.path"] for x in rows_with(wb, "shards/report.path")]
+    table = json.loads((wb.path.parent / "files" / path).read_text())
+    rows = [dict(zip(table["columns"], values, strict=True)) for values in table["data"]]
+    assert [(x["rank"], x["data/fingerprint"], x["matches"]) for x in rows] == [
+        (r, fingerprint(np.array(want[r])), True) for r in range(W)
+    ]
+    assert all("perf/samples_per_s" in x for x in rows)

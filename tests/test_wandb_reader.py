@@ -33,7 +33,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _init(run_dir: Path, name: str, config: dict):
+def _init(run_dir: Path, name: str, config: dict, **settings):
     return wandb.init(
         mode="offline",
         dir=run_dir,
@@ -42,11 +42,12 @@ def _init(run_dir: Path, name: str, config: dict):
         job_type="worker",
         name=name,
         config=config,
+        settings=wandb.Settings(**settings),
     )
 
 
 def _worker_run(run_dir: Path) -> None:
-    run = _init(run_dir, "n-rank1", CONFIG)
+    run = _init(run_dir, "n-rank1", CONFIG, x_label="rank1", x_disable_stats=False)
     run.define_metric("epoch")
     run.define_metric("data/*", step_metric="epoch")
     run.config.update({"rank": 1, "world_size": 2})  # a second config record, merged
@@ -60,6 +61,11 @@ def _worker_run(run_dir: Path) -> None:
             }
         )
     run.summary["verdict"] = "ok"
+    run.alert(title="STRAGGLER", text="rank 1", level=wandb.AlertLevel.WARN)
+    (run_dir / "ckpt.pt").write_bytes(b"weights")
+    artifact = wandb.Artifact("ckpt-n", type="model", metadata={"step": 7, "eval/accuracy": 0.5})
+    artifact.add_file(str(run_dir / "ckpt.pt"), name="last.pt")
+    run.log_artifact(artifact, aliases=["last", "epoch-2"])
     run.finish()
 
 
@@ -88,6 +94,16 @@ def test_reads_every_field_of_a_worker_run(root: Path) -> None:
     assert run.summary["data/samples"] == 8 and run.summary["verdict"] == "ok"
     assert run.summary["data/fingerprint"] == "0123456789abcdf1"
     assert run.exit_code == 0
+    assert run.labels == {"rank1"} and "memory_percent/l:rank1" in run.stats[0]
+    assert run.alerts == [{"title": "STRAGGLER", "text": "rank 1", "level": "WARN"}]
+    (artifact,) = run.artifacts
+    assert (artifact["name"], artifact["type"], artifact["files"]) == (
+        "ckpt-n",
+        "model",
+        ["last.pt"],
+    )
+    assert set(artifact["aliases"]) == {"last", "latest", "epoch-2"}
+    assert artifact["metadata"] == {"step": 7, "eval/accuracy": 0.5}
 
 
 def test_joins_fragments_nested_keys_and_later_config(root: Path) -> None:
@@ -100,6 +116,8 @@ def test_joins_fragments_nested_keys_and_later_config(root: Path) -> None:
     assert (row["nested.a"], row["nested.b.c"]) == (1, 2.5)
     assert run.summary["nested"] == {"a": 1, "b": {"c": 2.5}}
     assert run.exit_code == 3
+    assert run.stats and not run.labels  # W&B samples by default; no x_label, no suffix
+    assert not run.alerts and not run.artifacts
 
 
 def test_find_runs_returns_all_runs_sorted_by_path(root: Path) -> None:

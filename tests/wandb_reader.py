@@ -45,6 +45,14 @@ class OfflineRun:
     history: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
     exit_code: int | None = None
+    stats: list[dict] = field(default_factory=list)  # system-metric samples, key -> value
+    alerts: list[dict] = field(default_factory=list)  # title, text, level
+    artifacts: list[dict] = field(default_factory=list)  # name, type, aliases, metadata, files
+
+    @property
+    def labels(self) -> set[str]:
+        """The process labels (``x_label``) its system metrics carry: ``cpu/l:rank0`` → rank0."""
+        return {key.rpartition("/l:")[2] for row in self.stats for key in row if "/l:" in key}
 
 
 def _check_file_header(data: bytes) -> None:
@@ -139,6 +147,22 @@ def _apply(run: OfflineRun, record: Any) -> None:
         run.history.append(row)
     elif kind == "exit":
         run.exit_code = record.exit.exit_code
+    elif kind == "stats":
+        run.stats.append({i.key: json.loads(i.value_json) for i in record.stats.item})
+    elif kind == "alert":
+        a = record.alert
+        run.alerts.append({"title": a.title, "text": a.text, "level": a.level})
+    elif kind == "artifact":
+        a = record.artifact
+        run.artifacts.append(
+            {
+                "name": a.name,
+                "type": a.type,
+                "aliases": list(a.aliases),
+                "metadata": json.loads(a.metadata) if a.metadata else {},
+                "files": [c.path for c in a.manifest.contents],
+            }
+        )
 
 
 def read_run(wandb_file: Path) -> OfflineRun:

@@ -100,6 +100,7 @@ def check(cfg: Config) -> None:
     _check_sizes(cfg)
     _check_sampler(cfg)
     _check_launch(cfg)
+    _check_logger(cfg)
     _require(
         cfg.fault.signal is None or hasattr(signal, str(cfg.fault.signal)),
         f"fault.signal={cfg.fault.signal} is not a signal name; use e.g. SIGTERM or SIGUSR1.",
@@ -152,6 +153,39 @@ def _check_sizes(cfg: Config) -> None:
     _require(
         cfg.checkpoint.preempt_check_every >= 1,
         f"checkpoint.preempt_check_every={cfg.checkpoint.preempt_check_every} must be >= 1.",
+    )
+
+
+def _check_logger(cfg: Config) -> None:
+    lg = cfg.logger
+    _require(
+        lg.per_rank_max >= 1,
+        f"logger.per_rank_max={lg.per_rank_max} must be >= 1 (ranks that get a W&B run each "
+        f"under logger.layout=auto); e.g. logger.per_rank_max=8.",
+    )
+    _require(
+        lg.straggler_alert is None or lg.straggler_alert > 1,
+        f"logger.straggler_alert={lg.straggler_alert} must be > 1 (the slowest rank's step time "
+        f"over the fastest's) or null for no alert; e.g. logger.straggler_alert=1.5.",
+    )
+    _require(
+        lg.checkpoints in ("false", "last", "best"),
+        f"logger.log_checkpoints={lg.log_checkpoints} is not one of false, last, best; "
+        f"e.g. logger.log_checkpoints=last.",
+    )
+    if lg.checkpoints == "false":
+        return
+    _require(
+        lg.name == "wandb" and cfg.checkpoint.enabled,
+        f"logger.log_checkpoints={lg.checkpoints} needs logger=wandb and checkpoint.enabled=true "
+        f"(here logger={lg.name}, checkpoint.enabled={cfg.checkpoint.enabled}); set both or "
+        f"drop logger.log_checkpoints.",
+    )
+    # Until the best checkpoint is wired in train.py (RankLogger.log_checkpoint with kind=best).
+    _require(
+        lg.checkpoints != "best",
+        "logger.log_checkpoints=best needs a best checkpoint, which this build does not write "
+        "yet; use logger.log_checkpoints=last.",
     )
 
 

@@ -79,6 +79,19 @@ class WandbMode(Choice):
     disabled = "disabled"
 
 
+class WandbLayout(Choice):
+    auto = "auto"
+    per_rank = "per_rank"
+    main = "main"
+    shared = "shared"
+
+
+class SystemMetrics(Choice):
+    node = "node"
+    all = "all"
+    off = "off"
+
+
 class StartMethod(Choice):
     spawn = "spawn"
     forkserver = "forkserver"
@@ -196,6 +209,17 @@ class LoggerConfig:
     project: str = "ddp-template"
     entity: str | None = None
     tags: list[str] = field(default_factory=list)
+    layout: WandbLayout = WandbLayout.auto  # auto: per_rank up to per_rank_max ranks, else main
+    per_rank_max: int = 8
+    system_metrics: SystemMetrics = SystemMetrics.node  # node: local rank 0 of each node
+    # false | last | best: a string, since Hydra reads a bare `false` as a bool
+    log_checkpoints: str = "false"
+    straggler_alert: float | None = 1.5  # slowest rank's step time / fastest's; None: never
+
+    @property
+    def checkpoints(self) -> str:
+        """``log_checkpoints`` as false, last or best (a bare ``false`` arrives as "False")."""
+        return str(self.log_checkpoints).lower()
 
 
 @dataclass

@@ -1,8 +1,10 @@
-"""The metrics sink: console and file, per-rank JSONL, and one W&B run per rank.
+"""The metrics sink: console and file, per-rank JSONL, and W&B in the chosen layout.
 
-Every rank writes ``<run_dir>/rank<r>/metrics.jsonl`` (always) and, with ``logger=wandb``,
-its own W&B run in ``<run_dir>/rank<r>/wandb`` grouped by the run id. The same keys go to both.
-W&B trouble never stops training: a failed start falls back to offline, then to JSONL only.
+Every rank writes ``<run_dir>/rank<r>/metrics.jsonl`` (always). With ``logger=wandb`` the same
+keys go to W&B: one run per rank grouped by the run id (``per_rank``), or one run for the job
+(``main``, ``shared``) holding rank 0's rows plus every rank's per-epoch numbers as
+``<key>/rank<r>`` (see ``wandb_run``). W&B trouble never stops training: a failed start falls back
+to offline, then to JSONL only.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ddp_template.config import LoggerConfig, LoggerName
-from ddp_template.distributed import DistInfo
+from ddp_template.config import LoggerConfig, LoggerName, WandbLayout
+from ddp_template.distributed import DistInfo, barrier, gather_objects
 from ddp_template.run_identity import RunInfo
-from ddp_template.wandb_run import start_wandb
+from ddp_template.wandb_run import Layout, choose_layout, start_wandb, wandb_id
 
 log = logging.getLogger("ddp_template")
 
@@ -52,26 +54,54 @@ class RankLogger:
         self, *, cfg: LoggerConfig, run: RunInfo, info: DistInfo, config: dict[str, Any]
     ) -> None:
         """``config`` is the whole run's config as plain containers (W&B's run config)."""
-        self.info, self.run = info, run
+        self.info, self.run, self.cfg, self.config = info, run, cfg, config
         self.rank_dir = run.run_dir / f"rank{info.rank}"
         self.rank_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.rank_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
         self._wandb: Any = None
         self._wandb_thread: threading.Thread | None = None
         self.bar: Any = None
-        if cfg.name == LoggerName.wandb:
+        self.layout: Layout | None = None
+        self._epoch_ranks: list[dict[str, Any]] | None = None  # one run: rank 0's last gather
+        self._alerted: set[str] = set()
+        if cfg.name != LoggerName.wandb:
+            return
+        self.layout = choose_layout(cfg, info.world_size)
+        if info.is_main:
+            log.info("W&B layout %s (%s)", self.layout.name, self.layout.reason)
+            if self.layout.fallback:
+                log.warning("logger.layout=shared falls back to main: %s", self.layout.fallback)
+        if self.layout.starts_run(info) and not self._joins_later:
             # W&B's import and service start take ~1 s: overlap them with building the data,
             # model and DDP; the first use of ``self.wandb`` waits for it.
             self._wandb_thread = threading.Thread(
-                target=self._start_wandb, args=(cfg, config), name="wandb-init", daemon=True
+                target=self._start_wandb, name="wandb-init", daemon=True
             )
             self._wandb_thread.start()
 
+    @property
+    def _joins_later(self) -> bool:
+        """A shared-mode worker joins the primary's run only once it exists (in ``ready``)."""
+        layout = self.layout
+        return layout is not None and layout.name == WandbLayout.shared and not self.info.is_main
+
+    @property
+    def _history(self) -> bool:
+        """Whether this rank's rows go to W&B."""
+        return self.layout is not None and self.layout.logs_history(self.info)
+
     def wait_ready(self) -> None:
-        """Wait until W&B has started (or given up)."""
+        """Wait until this rank's W&B run has started (or given up)."""
         if self._wandb_thread is not None:
             self._wandb_thread.join()
             self._wandb_thread = None
+
+    def ready(self) -> None:
+        """A collective: when it returns, every rank's W&B run exists, so nobody logs early."""
+        self.wait_ready()
+        barrier(self.info)
+        if self._joins_later:
+            self._start_wandb()
 
     @property
     def wandb(self) -> Any:
@@ -79,8 +109,11 @@ class RankLogger:
         self.wait_ready()
         return self._wandb
 
-    def _start_wandb(self, cfg: LoggerConfig, config: dict[str, Any]) -> None:
-        self._wandb = start_wandb(cfg, run=self.run, info=self.info, config=config)
+    def _start_wandb(self) -> None:
+        assert self.layout is not None
+        self._wandb = start_wandb(
+            self.cfg, self.layout, run=self.run, info=self.info, config=self.config
+        )
 
     @property
     def wandb_id(self) -> str | None:
@@ -89,8 +122,24 @@ class RankLogger:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row = {"step": step, **metrics}
         self.jsonl.write(json.dumps(row) + "\n")
-        if self.wandb is not None:
+        self._log_wandb(row)
+
+    def _log_wandb(self, row: dict[str, Any]) -> None:
+        if self._history and self.wandb is not None:
             self.wandb.log(row)
+
+    def log_epoch(self, metrics: dict[str, Any], step: int) -> None:
+        """This rank's per-epoch numbers. With one W&B run (main, shared) a collective: every
+        rank's numbers reach rank 0 and its run as ``<key>/rank<r>``."""
+        self.log(metrics, step)
+        if self.layout is None or not self.layout.one_run:
+            return
+        mine = {k: v for k, v in metrics.items() if k != "epoch"}
+        ranks = gather_objects(mine, self.info)
+        if self.info.is_main:
+            self._epoch_ranks = ranks
+            row = {f"{k}/rank{r}": v for r, m in enumerate(ranks) for k, v in m.items()}
+            self._log_wandb({"step": step, "epoch": metrics["epoch"], **row})
 
     def log_sizes(self, splits: Any, step: int) -> None:
         """Rank 0 records the dataset sizes once, next to its eval metrics."""
@@ -139,7 +188,7 @@ class RankLogger:
             self.bar = None
 
     def log_table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
-        if self.wandb is not None and rows:
+        if self._history and self.wandb is not None and rows:
             import wandb
 
             columns = list(rows[0])
@@ -147,7 +196,7 @@ class RankLogger:
             self.wandb.log({key: table, "step": step})
 
     def log_image(self, key: str, path: Path) -> None:
-        if self.wandb is not None and path.exists():
+        if self._history and self.wandb is not None and path.exists():
             import wandb
 
             self.wandb.log({key: wandb.Image(str(path))})
@@ -200,7 +249,10 @@ class RankLogger:
             if key in report:
                 summary[f"shards/{key}"] = report[key]
         self.log(summary, step)
-        self.log_table("shards/report", report["ranks"], step)
+        rows = report["ranks"]
+        if self._epoch_ranks is not None:  # one run: every rank's epoch numbers in its row
+            rows = [{**row, **self._epoch_ranks[row["rank"]]} for row in rows]
+        self.log_table("shards/report", rows, step)
         log.info("\n".join(_report_lines(report, epoch)))
         if report["verdict"] != "ok":
             log.warning(
@@ -209,6 +261,58 @@ class RankLogger:
                 epoch,
                 report["verdict"],
             )
+            self._alert_once("SHARD MISMATCH", f"epoch {epoch}: {report['verdict']}")
+        ratio, limit = report["step_s_max_over_min"], self.cfg.straggler_alert
+        if limit is not None and ratio > limit:
+            text = (
+                f"epoch {epoch}: rank {report['slowest_rank']}'s step time is {ratio:.2f}x the "
+                f"fastest rank's (logger.straggler_alert={limit})"
+            )
+            log.warning("STRAGGLER in %s", text)
+            self._alert_once("STRAGGLER", text)
+
+    def _alert_once(self, title: str, text: str) -> None:
+        """A W&B alert (mail/Slack when online), at most once per title and run."""
+        if title in self._alerted or not self._history or self.wandb is None:
+            return
+        self._alerted.add(title)
+        import wandb
+
+        try:
+            self.wandb.alert(title=title, text=text, level=wandb.AlertLevel.WARN)
+        except Exception as exc:  # W&B must never stop training
+            log.warning("W&B alert %r failed (%s)", title, exc)
+
+    def log_checkpoint(
+        self,
+        path: Path | None,
+        *,
+        kind: str,
+        step: int,
+        epoch: int,
+        metrics: dict[str, Any],
+        rewritten: bool = True,
+    ) -> None:
+        """Rank 0: checkpoint ``path`` as a new version of the run's ``model`` artifact, when
+        ``logger.log_checkpoints`` is ``kind`` (last, best) and the file was ``rewritten`` at
+        this epoch's end. Aliases ``kind`` and ``epoch-<e>``; metadata step, epoch, metrics.
+        Offline, W&B keeps a copy of the file until ``wandb sync`` uploads it."""
+        if kind != self.cfg.checkpoints or not rewritten or path is None:
+            return
+        if not (self.info.is_main and self._history and self.wandb is not None):
+            return
+        import wandb
+
+        try:
+            artifact = wandb.Artifact(
+                name=f"checkpoint-{wandb_id(self.run.run_id)}",
+                type="model",
+                metadata={"kind": kind, "step": step, "epoch": epoch, **metrics},
+            )
+            artifact.add_file(str(path), name=path.name)
+            self.wandb.log_artifact(artifact, aliases=[kind, f"epoch-{epoch}"])
+        except Exception as exc:  # W&B must never stop training
+            log.warning("W&B could not log checkpoint %s (%s)", path, exc)
 
     def finish(self, exit_code: int = 0) -> None:
         """Close the JSONL and the W&B run; called on every exit path."""

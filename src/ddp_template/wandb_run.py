@@ -1,28 +1,90 @@
-"""Starting one rank's W&B run: its id, group and config, and the fallbacks when W&B fails.
+"""Starting W&B in one of its three layouts for distributed training, and the fallbacks.
 
-W&B trouble never stops training: a failed start falls back to offline, then to JSONL only.
+* ``per_rank``: every rank its own run, grouped by the run id (``job_type`` main on rank 0,
+  worker elsewhere): every rank's data and system metrics apart.
+* ``main``: one run, on rank 0; the other ranks' per-epoch numbers reach it through a gather
+  (``RankLogger.log_epoch``).
+* ``shared``: one run every rank writes into (W&B's shared mode): rank 0 primary, each rank
+  labelled ``rank<r>``. It needs ``logger.mode=online`` and wandb >= ``SHARED_MIN_VERSION``;
+  elsewhere it falls back to ``main``.
+
+``choose_layout`` reads only the config, the world size and the installed W&B version, so every
+rank reaches the same answer without talking to the others. W&B trouble never stops training: a
+failed start falls back to offline, then to JSONL only.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
+from importlib.metadata import version
 from typing import Any
 
-from ddp_template.config import LoggerConfig
+from packaging.version import Version
+
+from ddp_template.config import LoggerConfig, SystemMetrics, WandbLayout, WandbMode
 from ddp_template.distributed import DistInfo
 from ddp_template.run_identity import RunInfo
 
 log = logging.getLogger("ddp_template")
 
+SHARED_MIN_VERSION = "0.19.6"  # the first whose Settings take x_primary (0.19.5: x_primary_node)
 
-def wandb_id(run_id: str, rank: int) -> str:
-    """Deterministic per-rank W&B id: a resumed run continues the same W&B runs."""
-    return re.sub(r"[^A-Za-z0-9_-]", "-", f"{run_id}-rank{rank}")[-120:]
+
+@dataclass(frozen=True)
+class Layout:
+    name: str  # per_rank | main | shared: what this run uses
+    reason: str  # why, for rank 0's log line
+    fallback: str | None = None  # why logger.layout=shared became main (rank 0 warns once)
+
+    @property
+    def one_run(self) -> bool:
+        """One W&B run for the whole job: every rank's epoch numbers are gathered to rank 0."""
+        return self.name != WandbLayout.per_rank
+
+    def starts_run(self, info: DistInfo) -> bool:
+        return self.name != WandbLayout.main or info.is_main
+
+    def logs_history(self, info: DistInfo) -> bool:
+        """Whether this rank's ``log`` rows go to W&B (with one run, only rank 0's do)."""
+        return not self.one_run or info.is_main
+
+
+def choose_layout(cfg: LoggerConfig, world_size: int, installed: str | None = None) -> Layout:
+    """The layout for ``world_size`` ranks; ``installed`` is the wandb version (default: this
+    environment's)."""
+    layout, limit = cfg.layout, cfg.per_rank_max
+    if layout == WandbLayout.auto:
+        if world_size <= limit:
+            return Layout("per_rank", f"auto: {world_size} ranks <= logger.per_rank_max={limit}")
+        return Layout("main", f"auto: {world_size} ranks > logger.per_rank_max={limit}")
+    if layout == WandbLayout.shared:
+        installed = installed or version("wandb")
+        problem = None
+        if cfg.mode != WandbMode.online:
+            problem = f"W&B's shared mode needs logger.mode=online, not {cfg.mode}"
+        elif Version(installed) < Version(SHARED_MIN_VERSION):
+            problem = f"W&B's shared mode needs wandb>={SHARED_MIN_VERSION}, not {installed}"
+        if problem is not None:
+            return Layout("main", "logger.layout=shared, fallen back", fallback=problem)
+    return Layout(str(layout), f"logger.layout={layout}")
+
+
+def system_metrics_on(cfg: LoggerConfig, info: DistInfo) -> bool:
+    """node: one sampler per node (local rank 0 sees all of the node's GPUs); all: every rank."""
+    mode = cfg.system_metrics
+    return mode == SystemMetrics.all or (mode == SystemMetrics.node and info.local_rank == 0)
+
+
+def wandb_id(run_id: str, rank: int | None = None) -> str:
+    """Deterministic W&B id (per rank, or the job's one run): a resumed run continues it."""
+    name = run_id if rank is None else f"{run_id}-rank{rank}"
+    return re.sub(r"[^A-Za-z0-9_-]", "-", name)[-120:]
 
 
 def _init_kwargs(
-    cfg: LoggerConfig, run: RunInfo, info: DistInfo, config: dict[str, Any]
+    cfg: LoggerConfig, layout: Layout, run: RunInfo, info: DistInfo, config: dict[str, Any]
 ) -> dict[str, Any]:
     config = dict(config)
     config.update(
@@ -33,31 +95,56 @@ def _init_kwargs(
         backend=info.backend or "none",
         launcher=info.launcher,
         sampler=config["sampler"]["mode"],
+        wandb_layout=layout.name,
+        system_metrics=system_metrics_on(cfg, info),
     )
-    return dict(
+    per_rank = not layout.one_run
+    kwargs = dict(
         project=cfg.project,
         entity=cfg.entity,
         tags=list(cfg.tags),
         group=run.run_id,
         job_type="main" if info.is_main else "worker",
-        name=f"{run.run_id}-rank{info.rank}",
-        id=wandb_id(run.run_id, info.rank),
+        name=f"{run.run_id}-rank{info.rank}" if per_rank else run.run_id,
+        id=wandb_id(run.run_id, info.rank if per_rank else None),
         resume="allow",
         dir=str(run.run_dir / f"rank{info.rank}"),
         config=config,
     )
+    if layout.name == WandbLayout.shared and not info.is_main:
+        del kwargs["config"]  # the primary's config is the run's; a worker's would overwrite it
+    return kwargs
 
 
-def start_wandb(cfg: LoggerConfig, *, run: RunInfo, info: DistInfo, config: dict[str, Any]) -> Any:
+def _settings(wandb: Any, cfg: LoggerConfig, layout: Layout, info: DistInfo) -> Any:
+    extra = {}
+    if layout.name == WandbLayout.shared:
+        # Only the primary writes the run's files and decides its final state.
+        extra = dict(x_primary=info.is_main, x_update_finish_state=info.is_main)
+    return wandb.Settings(
+        console="off",
+        silent=True,
+        x_label=f"rank{info.rank}",
+        x_disable_stats=not system_metrics_on(cfg, info),
+        **extra,
+    )
+
+
+def start_wandb(
+    cfg: LoggerConfig, layout: Layout, *, run: RunInfo, info: DistInfo, config: dict[str, Any]
+) -> Any:
     """This rank's W&B run, or None when W&B cannot start (training goes on without it)."""
     import wandb
 
-    kwargs = _init_kwargs(cfg, run, info, config)
-    settings = wandb.Settings(console="off", silent=True, x_disable_stats=True)
-    mode = str(cfg.mode)
+    kwargs = _init_kwargs(cfg, layout, run, info, config)
+    mode = "shared" if layout.name == WandbLayout.shared else str(cfg.mode)
+    attempts = [mode]
+    if mode != "offline" and (layout.name != WandbLayout.shared or info.is_main):
+        attempts.append("offline")  # a shared-mode worker alone offline would be a stray run
     error: Exception | None = None
-    for attempt in [mode] + (["offline"] if mode != "offline" else []):
+    for attempt in attempts:
         try:
+            settings = _settings(wandb, cfg, layout, info)  # an older W&B refuses them here
             wb = wandb.init(mode=attempt, settings=settings, **kwargs)
         except Exception as exc:  # W&B must never stop training
             error = exc
