@@ -25,6 +25,7 @@ from ddp_template.config import Config
 from ddp_template.data.samplers import SAMPLER_MODES
 from ddp_template.distributed import LAUNCHER_VAR, choose_backend, launched_by_torchrun
 from ddp_template.errors import ConfigError
+from ddp_template.parallel import check_compile
 
 INSTANTIATED = ("model", "data")  # groups Hydra instantiates: their keys go to the _target_
 
@@ -94,10 +95,13 @@ def check(cfg: Config) -> None:
     _check_sizes(cfg)
     _check_sampler(cfg)
     _check_launch(cfg)
+    _check_loop(cfg)
     _require(
         cfg.fault.signal is None or hasattr(signal, str(cfg.fault.signal)),
         f"fault.signal={cfg.fault.signal} is not a signal name; use e.g. SIGTERM or SIGUSR1.",
     )
+    if cfg.compile:
+        check_compile("cuda" if choose_backend(cfg.backend.name) == "nccl" else "cpu")
     if choose_backend(cfg.backend.name) != "nccl":
         # On CUDA each rank probes its own GPU when it builds AMP (amp.build_scaler): probing
         # here would create a CUDA context in the launching process.
@@ -127,6 +131,24 @@ def _check_sizes(cfg: Config) -> None:
         cfg.checkpoint.preempt_check_every >= 1,
         f"checkpoint.preempt_check_every={cfg.checkpoint.preempt_check_every} must be >= 1.",
     )
+
+
+def _check_loop(cfg: Config) -> None:
+    """Accumulation, DDP options, EMA, the profiler window."""
+    acc = cfg.optim.accumulate
+    _require(acc >= 1, f"optim.accumulate={acc} must be >= 1 (1: no accumulation); e.g. 2.")
+    cap = cfg.ddp.bucket_cap_mb
+    _require(cap > 0, f"ddp.bucket_cap_mb={cap} must be positive; torch's default is 25.")
+    decay, ema = cfg.ema.decay, cfg.ema
+    _require(
+        decay is None or 0.0 < decay < 1.0,
+        f"ema.decay={decay} must be in (0, 1), e.g. 0.999, or null for no EMA.",
+    )
+    _require(ema.every >= 1, f"ema.every={ema.every} must be >= 1 (optimizer steps); e.g. 1.")
+    _require(ema.warmup >= 0, f"ema.warmup={ema.warmup} must be >= 0 (optimizer steps).")
+    for key in ("wait", "warmup", "active"):
+        value, least = getattr(cfg.profiler, key), 1 if key == "active" else 0
+        _require(value >= least, f"profiler.{key}={value} must be >= {least} (optimizer steps).")
 
 
 def _check_launch(cfg: Config) -> None:
