@@ -9,7 +9,6 @@ the two runs must end with the same weights up to float rounding. The same runs 
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import torch
@@ -91,8 +90,8 @@ def test_accumulation_equals_the_big_batch_and_resumes_bit_identically(tmp_path:
     assert [len(r["indices"]) for r in step_rows(runs[0], 4)] == [4, 4]
 
     rows = jsonl(tmp_path / "outputs/acc/rank0/metrics.jsonl")
-    assert {"train/global_batch": 64} == {
-        k: v for r in rows for k, v in r.items() if k == "train/global_batch"
+    assert {k: v for r in rows for k, v in r.items() if k == "train/global_batch"} == {
+        "train/global_batch": 64
     }
     ema_eval = [r for r in rows if "eval/ema_accuracy" in r]
     assert len(ema_eval) == 2 and all(0 <= r["eval/ema_accuracy"] <= 1 for r in ema_eval)
