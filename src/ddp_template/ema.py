@@ -50,7 +50,10 @@ class EMA:
         if self.info.distributed:  # one broadcast for all buffers: rank 0's running stats
             flat = torch.cat([b.reshape(-1).double() for b in buffers])
             torch.distributed.broadcast(flat, src=0)
-            torch._foreach_copy_(buffers, list(flat.split([b.numel() for b in buffers])))
+            parts = flat.split([b.numel() for b in buffers])
+            torch._foreach_copy_(
+                buffers, [p.view_as(b) for p, b in zip(parts, buffers, strict=True)]
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """``model`` is the averaged module's state_dict (what ``init_from`` reads)."""

@@ -8,6 +8,8 @@ evaluated and checkpointed, so a compiled run's checkpoint resumes uncompiled an
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -21,6 +23,10 @@ def build_ddp(cfg: DDPConfig, module: nn.Module, info: DistInfo) -> nn.Module:
     """The ``ddp`` builder: ``module`` in DDP with the group's options (one rank: unwrapped)."""
     if not info.distributed:
         return module
+    # torch >= 2.14 renamed the per-forward buffer broadcast (the weights start equal on every
+    # rank here, so the init-time sync it keeps changes nothing).
+    renamed = "forward_sync_buffers" in inspect.signature(DDP).parameters
+    buffers = "forward_sync_buffers" if renamed else "broadcast_buffers"
     return DDP(
         module,
         device_ids=[info.local_rank] if info.device.type == "cuda" else None,
@@ -28,7 +34,7 @@ def build_ddp(cfg: DDPConfig, module: nn.Module, info: DistInfo) -> nn.Module:
         static_graph=cfg.static_graph,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         bucket_cap_mb=cfg.bucket_cap_mb,
-        broadcast_buffers=cfg.broadcast_buffers,
+        **{buffers: cfg.broadcast_buffers},
     )
 
 
