@@ -137,7 +137,7 @@ def micro_batches(loader: Any, schedule: StepSchedule, position: int) -> Iterato
     last)``: ``weight`` is the batch's share of its optimizer step's samples, ``last`` ends the
     step. Stops after the epoch's last (possibly capped) step."""
     it = iter(loader)
-    for k in range(position // schedule.step_size, schedule.steps_per_epoch):
+    for k in range(schedule.steps_done(position), schedule.steps_per_epoch):
         start, stop = schedule.span(k)
         n = -(-(stop - start) // schedule.batch_size)
         for j in range(n):
@@ -147,8 +147,7 @@ def micro_batches(loader: Any, schedule: StepSchedule, position: int) -> Iterato
 
 def steps_this_epoch(tr: Trainer, state: TrainState) -> int:
     """Optimizer steps the coming epoch will run from ``state.position`` (after any cap)."""
-    done = state.position // tr.schedule.step_size
-    return max(0, tr.schedule.steps_per_epoch - done)
+    return tr.schedule.steps_per_epoch - tr.schedule.steps_done(state.position)
 
 
 def train_one_epoch(

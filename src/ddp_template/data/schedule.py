@@ -68,6 +68,13 @@ class StepSchedule:
         """Positions a full optimizer step consumes per rank: A x B."""
         return self.accumulate * self.batch_size
 
+    def steps_done(self, position: int) -> int:
+        """Steps of an epoch already run once ``position`` positions were consumed (a step
+        boundary: a multiple of A x B, or the end of the epoch's last, shorter step)."""
+        if position >= self.consumed_per_epoch:
+            return self.steps_per_epoch
+        return position // self.step_size
+
     def span(self, k: int) -> tuple[int, int]:
         """The positions [start, stop) that step ``k`` (0-based, within an epoch) reads."""
         readable = min(self.micro_batches * self.batch_size, self.length)
