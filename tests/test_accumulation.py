@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import jsonl, run, run_env, train_cmd
 from test_resume import assert_identical
@@ -73,6 +74,7 @@ def test_default_norm_is_todays_network() -> None:
     assert torch.equal(default(x), batch(x))
 
 
+@pytest.mark.slow
 def test_accumulation_equals_the_big_batch_and_resumes_bit_identically(tmp_path: Path) -> None:
     launch(tmp_path, "acc", *ACCUMULATE)
     launch(tmp_path, "big", "batch_size=32")

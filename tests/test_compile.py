@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import run, run_env, summary, train_cmd
 
@@ -15,6 +16,7 @@ def launch(out: Path, *overrides: str):
     return run(train_cmd(out, *TWO_RANKS, *overrides), env=run_env(RUN_ID="c"), timeout=480)
 
 
+@pytest.mark.slow
 def test_compiled_run_learns_and_resumes_uncompiled_and_back(tmp_path: Path) -> None:
     launch(tmp_path, "compile=true", "epochs=4")
     run_dir = tmp_path / "outputs" / "c"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 from helpers import ROOT, run, run_env, train_cmd
 from test_ema import rank_info
@@ -58,6 +59,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow
 def test_unused_branch_needs_find_unused_parameters(tmp_path: Path) -> None:
     """Without the option DDP's reducer fails at the second step, as it does today."""
     conf = tmp_path / "conf"
