@@ -82,7 +82,7 @@ def test_accumulation_equals_the_big_batch_and_resumes_bit_identically(tmp_path:
     assert acc["step"] == big["step"] == 8
     for a, b in ((acc["model"], big["model"]), (acc["ema"]["model"], big["ema"]["model"])):
         worst = max((a[k] - b[k]).abs().max().item() for k in a)
-        assert worst < 1e-5, f"accumulated and big-batch weights differ by {worst}"
+        assert worst < 1e-6, f"accumulated and big-batch weights differ by {worst}"  # 6e-8 seen
     assert any(not torch.equal(acc["model"][k], big["model"][k]) for k in acc["model"])
 
     # Replay: a step's batch is its micro-batches together, the big run's batch.
