@@ -24,11 +24,15 @@ from ddp_template.models import build_model
         ("profiler.wait=-1", "profiler.wait=-1 must be >= 0"),
         ("profiler.warmup=-2", "profiler.warmup=-2 must be >= 0"),
         ("profiler.active=0", "profiler.active=0 must be >= 1"),
+        (
+            "ddp.static_graph=true optim.accumulate=2",
+            "ddp.static_graph=true cannot run with optim.accumulate=2",
+        ),
     ],
 )
 def test_bad_value_is_one_sentence(compose_cfg, override: str, needle: str) -> None:
     with pytest.raises(ConfigError) as err:
-        check(typed(compose_cfg(override)))
+        check(typed(compose_cfg(*override.split())))
     message = str(err.value)
     assert message.startswith(needle) and message.endswith(".")
     assert ". " not in message.replace("e.g. ", "")  # one sentence

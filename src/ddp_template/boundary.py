@@ -137,6 +137,12 @@ def _check_loop(cfg: Config) -> None:
     """Accumulation, DDP options, EMA, the profiler window."""
     acc = cfg.optim.accumulate
     _require(acc >= 1, f"optim.accumulate={acc} must be >= 1 (1: no accumulation); e.g. 2.")
+    _require(
+        acc == 1 or not cfg.ddp.static_graph,
+        f"ddp.static_graph=true cannot run with optim.accumulate={acc} (DDP's static graph "
+        f"fails inside no_sync, where the first {acc - 1} micro-batches of each step run); set "
+        f"ddp.static_graph=false or optim.accumulate=1.",
+    )
     cap = cfg.ddp.bucket_cap_mb
     _require(cap > 0, f"ddp.bucket_cap_mb={cap} must be positive; torch's default is 25.")
     decay, ema = cfg.ema.decay, cfg.ema
