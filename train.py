@@ -18,7 +18,6 @@ from typing import NamedTuple
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from ddp_template import boundary, distributed, faults, launch, numerics, run_identity
@@ -32,7 +31,9 @@ from ddp_template.data.loader import (
     build_train_sampler,
     reseed_for_epoch,
 )
+from ddp_template.data.schedule import StepSchedule
 from ddp_template.data.shard_check import epoch_metrics, verify_epoch
+from ddp_template.ema import build_ema
 from ddp_template.engine import (
     EvalResult,
     Trainer,
@@ -45,7 +46,9 @@ from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMP
 from ddp_template.logging import RankLogger, log, setup_console
 from ddp_template.models import build_model, convert_syncbn
 from ddp_template.optim import build_optimizer, build_scheduler
+from ddp_template.parallel import build_ddp, compile_model
 from ddp_template.preemption import Preemption
+from ddp_template.profiling import StepProfiler
 from ddp_template.shard_plot import draw_shards_async
 
 register_configs()
@@ -59,7 +62,7 @@ class Built(NamedTuple):
 
 
 def build(cfg: Config, info: distributed.DistInfo) -> Built:
-    """Data → sampler → loaders → model (+SyncBN) → DDP → optimizer: the classic recipe."""
+    """Data → sampler → loaders → model (+SyncBN) → EMA → DDP → compile → optimizer."""
     splits = build_splits(cfg.data)
     sampler = build_train_sampler(splits.train, cfg.sampler, seed=cfg.seed, info=info)
     loader = build_train_loader(splits.train, sampler, cfg, info)
@@ -71,14 +74,23 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     if cfg.channels_last:
         numerics.to_channels_last(model)
     model.to(info.device)
-    device_ids = [info.local_rank] if info.device.type == "cuda" else None
-    ddp = DDP(model, device_ids=device_ids) if info.distributed else model
+    ema = build_ema(cfg.ema, model, info)  # a plain copy: never wrapped, never compiled
+    trained = build_ddp(cfg.ddp, model, info)
+    if cfg.compile:
+        trained = compile_model(trained)  # after DDP, as DDP recommends
     optimizer = build_optimizer(cfg.optim, model)
-    steps = cfg.epochs * min(len(loader), cfg.max_steps_per_epoch or len(loader))
+    schedule = StepSchedule(  # optimizer steps: optim.accumulate micro-batches each
+        length=sampler.num_samples,
+        batch_size=cfg.batch_size,
+        epochs=cfg.epochs,
+        max_steps_per_epoch=cfg.max_steps_per_epoch,
+        drop_last_batch=cfg.sampler.drop_last_batch,
+        accumulate=cfg.optim.accumulate,
+    )
     trainer = Trainer(
-        model=ddp,
+        model=trained,
         optimizer=optimizer,
-        scheduler=build_scheduler(cfg.optim, optimizer, steps),
+        scheduler=build_scheduler(cfg.optim, optimizer, schedule.total_steps),
         scaler=build_scaler(cfg.amp, info.device),
         loader=loader,
         sampler=sampler,
@@ -86,7 +98,8 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         amp_mode=str(cfg.amp.mode),
         grad_clip=cfg.optim.grad_clip,
         log_every=cfg.log_every,
-        max_steps_per_epoch=cfg.max_steps_per_epoch,
+        schedule=schedule,
+        ema=ema,
         keep_indices=len(splits.train) <= cfg.shard_report_max_n,
     )
     return Built(trainer, splits, eval_loader)
@@ -109,9 +122,11 @@ def fit(
     tr, info = built.trainer, built.trainer.info
     every = cfg.checkpoint.preempt_check_every
     preempt = Preemption(info=info, every=every, run_id=logger.run.run_id)
+    profiler = StepProfiler(cfg=cfg.profiler, run_dir=logger.run.run_dir, info=info)
 
     def after_step(s: TrainState) -> bool:
         logger.step()
+        profiler.step()
         faults.maybe_fire(cfg.fault, s.step, info.rank)
         stop = preempt.requested(s.step)  # a signal on any rank stops all at one step
         if stop or ckpt.due(s.step):
@@ -136,6 +151,9 @@ def fit(
                 preempt.stop(state.step, ckpt.last)  # checkpointed: a requeue continues
             result = evaluate(tr.module, built.eval_loader, info, tr.amp_mode)
             logger.log_eval(result, epoch, state.step)
+            if tr.ema is not None:  # the averaged weights, evaluated as exactly
+                ema = evaluate(tr.ema.module, built.eval_loader, info, tr.amp_mode)
+                logger.log(_ema_metrics(ema), state.step)
             state.epoch, state.position = epoch + 1, 0
             ckpt.save(state, epoch_end=True)
             logger.log_checkpoint(
@@ -148,10 +166,20 @@ def fit(
             if epoch + 1 < cfg.epochs and preempt.sync():  # a signal late in the epoch
                 preempt.stop(state.step, ckpt.last)
     finally:
+        profiler.close()
         preempt.close()
     if result is None:  # epochs=0, or a finished run resumed: evaluate the model as it is
         result = evaluate(tr.module, built.eval_loader, info, tr.amp_mode)
     return result
+
+
+def _ema_metrics(result: EvalResult) -> dict[str, float]:
+    log.info("EMA eval accuracy %.4f, loss %.4f", result.accuracy, result.loss)
+    return {
+        "eval/ema_accuracy": result.accuracy,
+        "eval/ema_loss": result.loss,
+        "eval/ema_correct": result.correct,
+    }
 
 
 def train(cfg: Config, run: run_identity.RunInfo) -> float:
@@ -176,6 +204,12 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         state = resume(cfg, ckpt)
         logger.ready()  # every rank's W&B run exists before anyone logs
         logger.log_sizes(built.splits, state.step)
+        global_batch = cfg.batch_size * info.world_size * cfg.optim.accumulate
+        if info.is_main:
+            log.info(
+                "effective global batch %d (batch_size x world size x accumulate)", global_batch
+            )
+            logger.log({"train/global_batch": global_batch}, state.step)
         picture = draw_shards_async(built.trainer.sampler, run.run_dir) if info.is_main else None
         result = fit(cfg, built, state, ckpt, logger)
         logger.finish_run(result, built.splits, state.step, picture)

@@ -1,10 +1,11 @@
 """Replay without training: every mode and permutation against a real, capped DataLoader.
 
-The oracle is a real DataLoader over the run's sampler, cut at ``engine.steps_this_epoch``'s
-limit as the training loop cuts it, with an optional mid-epoch checkpoint and resume into a
-fresh sampler and loader. Replay must give the same batch at every step (a resume never
-renumbers), and ``--index`` the same steps. Also: the O(batch) cost at N = 1e9, the step
-arithmetic, and the refusal of an ``--index`` that would take minutes.
+The oracle is a real DataLoader over the run's sampler, its micro-batches grouped into optimizer
+steps and cut at the epoch's last step as ``engine.micro_batches`` groups and cuts them, with an
+optional mid-epoch checkpoint and resume into a fresh sampler and loader. Replay must give the
+same batch at every step (a resume never renumbers), and ``--index`` the same steps. Also: the
+O(batch) cost at N = 1e9, the step arithmetic, and the refusal of an ``--index`` that would
+take minutes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from omegaconf import OmegaConf
 from ddp_template.data.feistel import FeistelPermutation
 from ddp_template.data.loader import build_train_loader
 from ddp_template.data.schedule import StepSchedule
-from ddp_template.engine import TrainState, steps_this_epoch
+from ddp_template.engine import TrainState, micro_batches
 from ddp_template.errors import ConfigError
 from ddp_template.replay import index_hits, load_run, step_rows
 
@@ -33,18 +34,17 @@ def write_run(folder: Path, cfg) -> Path:
     return folder
 
 
-def engine_epoch(loader, state: TrainState, cap: int | None, steps: list, stop_after) -> bool:
+def engine_epoch(loader, schedule, state: TrainState, steps: list, stop_after) -> bool:
     """One epoch of ``engine.train_one_epoch``'s loop from ``state.position``; False: stopped."""
-    limit = steps_this_epoch(SimpleNamespace(loader=loader, max_steps_per_epoch=cap), state)
-    if limit == 0:
-        return True
-    for i, (_, _, idx) in enumerate(loader):
-        steps.append(idx.tolist())
+    step: list[int] = []
+    for (_, _, idx), _, last in micro_batches(loader, schedule, state.position):
+        step += idx.tolist()
         state.position += len(idx)
-        if len(steps) == stop_after:
-            return False
-        if i + 1 >= limit:
-            break
+        if last:
+            steps.append(step)
+            step = []
+            if len(steps) == stop_after:
+                return False
     return True
 
 
@@ -62,7 +62,7 @@ def loader_steps(run_, stop_after: int | None = None) -> list[list[list[int]]]:
         steps, state = [], TrainState()
         while state.epoch < run_.cfg.epochs:
             sampler.set_epoch(state.epoch)
-            if engine_epoch(loader, state, run_.cfg.max_steps_per_epoch, steps, stop_after):
+            if engine_epoch(loader, run_.schedule, state, steps, stop_after):
                 state.epoch, state.position = state.epoch + 1, 0
                 continue
             saved, stop_after = sampler.state_dict(state.position), None
@@ -73,18 +73,21 @@ def loader_steps(run_, stop_after: int | None = None) -> list[list[list[int]]]:
     return per_rank
 
 
-ORACLE_CASES = [  # mode, permutation, sampler.drop_last_batch, max_steps_per_epoch
-    ("padded", "randperm", False, None),
-    ("drop_last", "feistel", True, None),
-    ("sequential", "auto", False, 3),
-    ("padded", "feistel", True, 2),
-    ("drop_last", "randperm", False, 4),
+ORACLE_CASES = [  # mode, permutation, sampler.drop_last_batch, max_steps_per_epoch, accumulate
+    ("padded", "randperm", False, None, 1),
+    ("drop_last", "feistel", True, None, 1),
+    ("sequential", "auto", False, 3, 1),
+    ("padded", "feistel", True, 2, 1),
+    ("drop_last", "randperm", False, 4, 1),
+    ("padded", "randperm", False, None, 2),  # 3 micro-batches per epoch: steps of 2 and 1
+    ("sequential", "auto", True, 1, 2),
+    ("drop_last", "feistel", False, None, 3),
 ]
 
 
-@pytest.mark.parametrize(("mode", "permutation", "drop_last_batch", "cap"), ORACLE_CASES)
+@pytest.mark.parametrize(("mode", "permutation", "drop_last_batch", "cap", "acc"), ORACLE_CASES)
 def test_replay_is_the_capped_loader_in_every_mode(
-    mode: str, permutation: str, drop_last_batch: bool, cap, compose_cfg, tmp_path: Path
+    mode: str, permutation: str, drop_last_batch: bool, cap, acc: int, compose_cfg, tmp_path: Path
 ) -> None:
     overrides = [
         "data=synthetic",
@@ -99,6 +102,7 @@ def test_replay_is_the_capped_loader_in_every_mode(
         "epochs=3",
         "seed=5",
         f"max_steps_per_epoch={cap if cap else 'null'}",
+        f"optim.accumulate={acc}",
     ]
     run_ = load_run(write_run(tmp_path / "run", compose_cfg(*overrides)), world_size=3)
     truth, per_epoch = loader_steps(run_), run_.schedule.steps_per_epoch

@@ -31,6 +31,7 @@ from ddp_template.distributed import (
     node_ranks,
 )
 from ddp_template.errors import ConfigError
+from ddp_template.parallel import check_compile
 
 INSTANTIATED = ("model", "data")  # groups Hydra instantiates: their keys go to the _target_
 
@@ -101,6 +102,7 @@ def check(cfg: Config) -> None:
     _check_sampler(cfg)
     _check_launch(cfg)
     _check_logger(cfg)
+    _check_loop(cfg)
     _require(
         cfg.fault.signal is None or hasattr(signal, str(cfg.fault.signal)),
         f"fault.signal={cfg.fault.signal} is not a signal name; use e.g. SIGTERM or SIGUSR1.",
@@ -125,6 +127,8 @@ def _check_gpu_host(cfg: Config) -> None:
         "convolution kernels per run, not reproducibly); drop cudnn_benchmark (it is off under "
         "deterministic=true) or set deterministic=false.",
     )
+    if cfg.compile:
+        check_compile("cuda" if backend.name == "nccl" else "cpu")
     if backend.name != "nccl":
         # On CUDA each rank probes its own GPU when it builds AMP (amp.build_scaler): probing
         # here would create a CUDA context in the launching process.
@@ -187,6 +191,28 @@ def _check_logger(cfg: Config) -> None:
         "logger.log_checkpoints=best needs a best checkpoint, which this build does not write "
         "yet; use logger.log_checkpoints=last.",
     )
+def _check_loop(cfg: Config) -> None:
+    """Accumulation, DDP options, EMA, the profiler window."""
+    acc = cfg.optim.accumulate
+    _require(acc >= 1, f"optim.accumulate={acc} must be >= 1 (1: no accumulation); e.g. 2.")
+    _require(
+        acc == 1 or not cfg.ddp.static_graph,
+        f"ddp.static_graph=true cannot run with optim.accumulate={acc} (DDP's static graph "
+        f"fails inside no_sync, where the first {acc - 1} micro-batches of each step run); set "
+        f"ddp.static_graph=false or optim.accumulate=1.",
+    )
+    cap = cfg.ddp.bucket_cap_mb
+    _require(cap > 0, f"ddp.bucket_cap_mb={cap} must be positive; torch's default is 25.")
+    decay, ema = cfg.ema.decay, cfg.ema
+    _require(
+        decay is None or 0.0 < decay < 1.0,
+        f"ema.decay={decay} must be in (0, 1), e.g. 0.999, or null for no EMA.",
+    )
+    _require(ema.every >= 1, f"ema.every={ema.every} must be >= 1 (optimizer steps); e.g. 1.")
+    _require(ema.warmup >= 0, f"ema.warmup={ema.warmup} must be >= 0 (optimizer steps).")
+    for key in ("wait", "warmup", "active"):
+        value, least = getattr(cfg.profiler, key), 1 if key == "active" else 0
+        _require(value >= least, f"profiler.{key}={value} must be >= {least} (optimizer steps).")
 
 
 def _check_launch(cfg: Config) -> None:

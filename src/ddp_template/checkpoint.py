@@ -1,10 +1,11 @@
 """Atomic checkpoints and resume: the newest valid checkpoint, restored bit-identically.
 
 A checkpoint holds everything an uninterrupted run would still have in memory: weights,
-optimizer, schedule, GradScaler, the step and the sampler position within the epoch, and the
-RNG states of every rank. Restoring all of it makes a resumed run bit-identical to one that was
-never stopped. Files are written to a temporary name, flushed to disk and renamed over the old
-one, so a crash mid-write never replaces a good checkpoint with half a file.
+optimizer, schedule, GradScaler, the EMA (``"ema"``), the step and the sampler position within
+the epoch, and the RNG states of every rank. Restoring all of it makes a resumed run
+bit-identical to one that was never stopped. Files are written to a temporary name, flushed to
+disk and renamed over the old one, so a crash mid-write never replaces a good checkpoint with
+half a file.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ class Checkpointer:
         tr = self.trainer
         mine = {"rng": _rng_state(), "sampler": tr.sampler.state_dict(state.position)}
         ranks = gather_objects(mine, self.info)
-        return {
+        ema = {"ema": tr.ema.state_dict()} if tr.ema is not None else {}
+        return ema | {
             "format": FORMAT_VERSION,
             "model": tr.module.state_dict(),
             "optimizer": tr.optimizer.state_dict(),
@@ -230,8 +232,22 @@ def restore(found: Found, tr: Trainer, state: TrainState, info: DistInfo) -> Non
             f"checkpoint {path} was written with another amp mode (its GradScaler state does not "
             f"fit this run's); resume with the amp mode it was written with, or resume=never."
         ) from None
+    _restore_ema(payload, path, tr)
     state.epoch, state.step, state.position = payload["epoch"], payload["step"], payload["position"]
     _set_rng_state(payload["rng"][info.rank])
+
+
+def _restore_ema(payload: dict[str, Any], path: Path, tr: Trainer) -> None:
+    """The EMA's weights and counters; a checkpoint without one starts it from the weights."""
+    if tr.ema is None:
+        if "ema" in payload:
+            log.info("checkpoint %s holds an EMA; this run has ema.decay=null: not restored", path)
+        return
+    if "ema" not in payload:
+        tr.ema.load_state_dict({"model": tr.module.state_dict(), "updates": 0})
+        log.info("checkpoint %s holds no EMA: the EMA starts from its weights", path)
+        return
+    tr.ema.load_state_dict(payload["ema"])
 
 
 def resume_rank0(resume: str, directory: Path, info: DistInfo) -> Found | None:

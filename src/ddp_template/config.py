@@ -132,6 +132,7 @@ class SmallCNNConfig:
     width: int = 32
     depth: int = 2
     dropout: float = 0.0
+    norm: str = "batch"  # batch | group | none
 
 
 @dataclass
@@ -200,6 +201,7 @@ class OptimConfig:
     grad_clip: float | None = None  # max global grad norm; None: no clipping
     # torch's fused kernel (no per-step host sync under fp16); None: on CUDA, off on CPU
     fused: bool | None = None
+    accumulate: int = 1  # micro-batches per optimizer step (gradient accumulation)
 
 
 @dataclass
@@ -250,6 +252,33 @@ class FaultConfig:
     attempt: int = 0  # only on this elastic restart attempt (so the restart can finish)
 
 
+# The research loop: DDP options, EMA, the profiler window (compile is the top-level key).
+@dataclass
+class DDPConfig:
+    """Arguments of torch's DistributedDataParallel (only with more than one rank)."""
+
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = False
+    bucket_cap_mb: float = 25.0
+    broadcast_buffers: bool = True
+
+
+@dataclass
+class EmaConfig:
+    decay: float | None = None  # None: no EMA; e.g. 0.999
+    every: int = 1  # optimizer steps between EMA updates
+    warmup: int = 0  # optimizer steps during which the EMA copies the weights (no averaging)
+
+
+@dataclass
+class ProfilerConfig:
+    enabled: bool = False
+    wait: int = 1  # optimizer steps skipped first
+    warmup: int = 1  # steps profiled but discarded
+    active: int = 3  # steps recorded into rank<r>/trace_step<k>.pt.trace.json
+
+
 @dataclass
 class PathsConfig:
     output_root: str = "outputs"
@@ -271,6 +300,10 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    compile: bool = False  # torch.compile the model (DDP-wrapped first)
     seed: int = 0
     epochs: int = 10  # 0: evaluate the initial (or resumed) model without training
     batch_size: int = 32  # per rank: the global batch is batch_size x world size

@@ -1,6 +1,10 @@
 """Train one epoch and evaluate exactly (AMP, GradScaler, per-rank data accounting).
 
-The loop keeps the host and the device apart: the loss is accumulated as a tensor and read
+An optimizer step takes ``optim.accumulate`` micro-batches (the step arithmetic is
+``data.schedule.StepSchedule``'s): each micro-batch's loss is weighted by its share of the step's
+samples, so the update is the one a single batch of them all would give, and DDP all-reduces
+the gradients once per step (``no_sync`` on the others). The loop keeps the host and the device
+apart: the loss is accumulated as a tensor and read
 (``.item()``) only at log intervals and at the end of the epoch, so no step waits for the GPU
 just to print. Every batch carries its dataset indices, which feed the rank's IndexTally.
 """
@@ -8,16 +12,19 @@ just to print. Every batch carries its dataset indices, which feed the rank's In
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_template.amp import autocast
 from ddp_template.data.accounting import IndexTally
+from ddp_template.data.schedule import StepSchedule
 from ddp_template.distributed import DistInfo, all_reduce_sum
 
 
@@ -32,7 +39,7 @@ class TrainState:
 
 @dataclass(kw_only=True)
 class Trainer:
-    model: nn.Module  # the DDP-wrapped model (or the plain one in a single process)
+    model: nn.Module  # what trains: DDP-wrapped and/or torch.compiled (or the plain module)
     optimizer: torch.optim.Optimizer
     scheduler: Any
     scaler: torch.amp.GradScaler
@@ -42,13 +49,20 @@ class Trainer:
     amp_mode: str = "off"
     grad_clip: float | None = None
     log_every: int = 10
-    max_steps_per_epoch: int | None = None
+    schedule: StepSchedule | None = None  # which micro-batches make each optimizer step
+    ema: Any = None  # an ema.EMA, updated after every optimizer step, or None
     keep_indices: bool = False
 
     @property
+    def ddp(self) -> DDP | None:
+        inner = getattr(self.model, "_orig_mod", self.model)  # torch.compile's wrapper
+        return inner if isinstance(inner, DDP) else None
+
+    @property
     def module(self) -> nn.Module:
-        """The unwrapped model: what is evaluated and checkpointed."""
-        return getattr(self.model, "module", self.model)
+        """The unwrapped, uncompiled model: what is evaluated and checkpointed."""
+        inner = getattr(self.model, "_orig_mod", self.model)
+        return inner.module if isinstance(inner, DDP) else inner
 
 
 @dataclass
@@ -57,6 +71,7 @@ class EpochStats:
     loss_sum: float = 0.0
     data_wait_s: float = 0.0
     wall_s: float = 0.0
+    steps: int = 0  # optimizer steps (tally.batches counts micro-batches)
     stopped: bool = False  # the step hook asked to stop (preemption)
 
     def as_metrics(self, duplicates: int) -> dict[str, Any]:
@@ -68,7 +83,7 @@ class EpochStats:
             "data/first_index": t.first_index,
             "data/last_index": t.last_index,
             "perf/data_wait_s": self.data_wait_s,
-            "perf/step_s": compute / t.batches if t.batches else 0.0,
+            "perf/step_s": compute / self.steps if self.steps else 0.0,
             "perf/samples_per_s": t.samples / self.wall_s if self.wall_s > 0 else 0.0,
             "train/loss_local": self.loss_sum / t.samples if t.samples else float("nan"),
         }
@@ -82,10 +97,23 @@ class StepOut(NamedTuple):
     grad_norm: torch.Tensor | None  # only when clipping or logging this step
 
 
-def _step(tr: Trainer, x: torch.Tensor, y: torch.Tensor, want_norm: bool) -> StepOut:
-    with autocast(tr.amp_mode, tr.info.device):
-        loss = F.cross_entropy(tr.model(x), y)
-    tr.scaler.scale(loss).backward()
+def _no_sync(tr: Trainer, sync: bool) -> AbstractContextManager:
+    ddp = tr.ddp
+    return nullcontext() if sync or ddp is None else ddp.no_sync()
+
+
+def _forward_backward(
+    tr: Trainer, x: torch.Tensor, y: torch.Tensor, weight: float, sync: bool
+) -> torch.Tensor:
+    """One micro-batch; its gradients are all-reduced only with ``sync`` (DDP)."""
+    with _no_sync(tr, sync):  # the forward and the backward both inside no_sync
+        with autocast(tr.amp_mode, tr.info.device):
+            loss = F.cross_entropy(tr.model(x), y)
+        tr.scaler.scale(loss if weight == 1.0 else loss * weight).backward()
+    return loss.detach()
+
+
+def _optimizer_step(tr: Trainer, want_norm: bool) -> torch.Tensor | None:
     norm = None
     if tr.grad_clip is not None or want_norm:
         tr.scaler.unscale_(tr.optimizer)  # clip the true gradients, not the scaled ones
@@ -95,16 +123,31 @@ def _step(tr: Trainer, x: torch.Tensor, y: torch.Tensor, want_norm: bool) -> Ste
     tr.scaler.update()
     tr.optimizer.zero_grad(set_to_none=True)
     tr.scheduler.step()
-    return StepOut(loss.detach(), norm)
+    return norm
+
+
+def _step(tr: Trainer, x: torch.Tensor, y: torch.Tensor, want_norm: bool) -> StepOut:
+    """One optimizer step on one batch (no accumulation)."""
+    loss = _forward_backward(tr, x, y, weight=1.0, sync=True)
+    return StepOut(loss, _optimizer_step(tr, want_norm))
+
+
+def micro_batches(loader: Any, schedule: StepSchedule, position: int) -> Iterator[tuple]:
+    """The epoch's micro-batches from ``position`` (a step boundary), as ``(batch, weight,
+    last)``: ``weight`` is the batch's share of its optimizer step's samples, ``last`` ends the
+    step. Stops after the epoch's last (possibly capped) step."""
+    it = iter(loader)
+    for k in range(schedule.steps_done(position), schedule.steps_per_epoch):
+        start, stop = schedule.span(k)
+        n = -(-(stop - start) // schedule.batch_size)
+        for j in range(n):
+            batch = next(it)
+            yield batch, len(batch[2]) / (stop - start), j == n - 1
 
 
 def steps_this_epoch(tr: Trainer, state: TrainState) -> int:
-    """Steps the coming epoch will run from ``state.position`` (after any step cap)."""
-    remaining = len(tr.loader)
-    if tr.max_steps_per_epoch is not None:
-        done = state.position // tr.loader.batch_size
-        remaining = min(remaining, max(0, tr.max_steps_per_epoch - done))
-    return remaining
+    """Optimizer steps the coming epoch will run from ``state.position`` (after any cap)."""
+    return tr.schedule.steps_per_epoch - tr.schedule.steps_done(state.position)
 
 
 def train_one_epoch(
@@ -116,23 +159,29 @@ def train_one_epoch(
     """One pass over this rank's shard from ``state.position``; updates ``state`` in place."""
     tr.model.train()
     stats = EpochStats(IndexTally(keep=tr.keep_indices))
-    limit = steps_this_epoch(tr, state)
-    if limit == 0:
+    if steps_this_epoch(tr, state) == 0:
         return stats
     loss_acc = torch.zeros((), device=tr.info.device)  # sum of loss x batch size
     interval_t, interval_n, interval_start = time.perf_counter(), 0, loss_acc.clone()
     start = waited = time.perf_counter()
-    for i, (x, y, idx) in enumerate(tr.loader):
+    for (x, y, idx), weight, last in micro_batches(tr.loader, tr.schedule, state.position):
         stats.data_wait_s += time.perf_counter() - waited
         x = x.to(tr.info.device, non_blocking=True)
         y = y.to(tr.info.device, non_blocking=True)
-        want_norm = (state.step + 1) % tr.log_every == 0
-        loss, norm = _step(tr, x, y, want_norm)
+        loss = _forward_backward(tr, x, y, weight, sync=last)
         stats.tally.add(idx.numpy())
         loss_acc += loss * len(idx)
         interval_n += len(idx)
-        state.step += 1
         state.position += len(idx)
+        if not last:
+            waited = time.perf_counter()
+            continue
+        want_norm = (state.step + 1) % tr.log_every == 0
+        norm = _optimizer_step(tr, want_norm)
+        state.step += 1
+        stats.steps += 1
+        if tr.ema is not None:
+            tr.ema.update(tr.module, state.step)
         if want_norm:
             now = time.perf_counter()
             on_interval(
@@ -148,8 +197,6 @@ def train_one_epoch(
             interval_start.copy_(loss_acc)
         if on_step(state):
             stats.stopped = True
-            break
-        if i + 1 >= limit:
             break
         waited = time.perf_counter()
     stats.loss_sum = float(loss_acc.item())  # waits for the device: time the whole epoch

@@ -8,6 +8,8 @@ logits ``(B, num_classes)``. The template passes those three from the data's ``D
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,6 +17,12 @@ from torch import nn
 
 from ddp_template.data.datasets import DataInfo
 from ddp_template.errors import ConfigError, instantiate_clean
+
+NORMS: dict[str, Callable[[int], list[nn.Module]]] = {
+    "batch": lambda c: [nn.BatchNorm2d(c)],
+    "group": lambda c: [nn.GroupNorm(math.gcd(c, 8), c)],
+    "none": lambda c: [],
+}
 
 
 def small_cnn(
@@ -24,17 +32,27 @@ def small_cnn(
     width: int = 32,
     depth: int = 2,
     dropout: float = 0.0,
+    norm: str = "batch",
 ) -> nn.Module:
-    """Conv-BN-ReLU blocks (BN on purpose: it is what SyncBN changes), global pool, linear."""
+    """Conv-norm-ReLU blocks, global pool, linear.
+
+    ``norm=batch`` (BN on purpose: it is what SyncBN changes); ``group`` (GroupNorm, up to 8
+    groups: no batch dependence, for small per-rank batches and exact accumulation checks);
+    ``none`` (a biased conv, no normalisation).
+    """
     if width < 1 or depth < 1:
         raise ConfigError(f"model.width={width} and model.depth={depth} must both be >= 1.")
+    if norm not in NORMS:
+        raise ConfigError(
+            f"model.norm={norm} is not a normalisation; use one of {', '.join(NORMS)}."
+        )
     layers: list[nn.Module] = []
     channels = in_channels
     for i in range(depth):
         out = width * 2**i
         layers += [
-            nn.Conv2d(channels, out, 3, padding=1, bias=False),
-            nn.BatchNorm2d(out),
+            nn.Conv2d(channels, out, 3, padding=1, bias=norm == "none"),
+            *NORMS[norm](out),
             nn.ReLU(inplace=True),
         ]
         if i < depth - 1 and image_size >= 2 ** (i + 2):

@@ -6,7 +6,8 @@
     python -m ddp_template.replay <run_dir> --index I           # every step that read sample I
 
 The data order is a function of the run's config: the sampler (mode, permutation, seed),
-N, the world size W, batch_size, max_steps_per_epoch and sampler.drop_last_batch. This reads
+N, the world size W, batch_size, optim.accumulate (a step's batch is all of its micro-batches),
+max_steps_per_epoch and sampler.drop_last_batch. This reads
 them from ``<run_dir>/.hydra/config.yaml`` (W from ``summary.json``, ``rank0/metrics.jsonl``
 or ``checkpoints/last.pt``), builds each rank's sampler with the training's own builder and
 evaluates only the step's positions: O(batch) time and memory at any N (randperm, used below
@@ -82,6 +83,7 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
         epochs=cfg.epochs,
         max_steps_per_epoch=cfg.max_steps_per_epoch,
         drop_last_batch=cfg.sampler.drop_last_batch,
+        accumulate=cfg.optim.accumulate,
     )
     return Run(run_dir=run_dir, cfg=cfg, world_size=world, train=train, schedule=schedule)
 
@@ -193,7 +195,7 @@ def _print_step(run: Run, rows: list[dict[str, Any]], as_json: bool) -> None:
     print(
         f"{run.run_dir}: step {first['step']} of {run.schedule.total_steps} = epoch "
         f"{first['epoch']}, step {(first['step'] - 1) % k + 1} of {k}; {run.world_size} ranks, "
-        f"batch_size {run.cfg.batch_size}"
+        f"batch_size {run.cfg.batch_size} x accumulate {run.cfg.optim.accumulate}"
     )
     for row in rows:
         print(f"rank {row['rank']}: epoch {row['epoch']}, position {row['position']}: ", end="")

@@ -1,8 +1,10 @@
 """Which positions of each rank's epoch list an optimizer step consumes: the step arithmetic.
 
 Every rank runs the same number of steps per epoch: its list has L positions (the sampler
-mode's length), the DataLoader cuts it into batches of B (the last one short, or dropped with
-``sampler.drop_last_batch``), and ``max_steps_per_epoch`` caps the count. Steps are numbered
+mode's length), the DataLoader cuts it into micro-batches of B (the last one short, or dropped
+with ``sampler.drop_last_batch``), an optimizer step takes the next A of them
+(``optim.accumulate``; an epoch whose micro-batch count is not a multiple of A ends with one
+step of the micro-batches left), and ``max_steps_per_epoch`` caps the steps. Steps are numbered
 as the logs number them: the run's first optimizer step is step 1, and step S is step
 ``(S - 1) mod K`` of epoch ``(S - 1) div K`` for K steps per epoch. A resumed run continues at
 the exact position it stopped at, so a resume never changes which batch belongs to which step.
@@ -17,7 +19,8 @@ import numpy as np
 
 
 class StepBatch(NamedTuple):
-    """The positions [start, stop) of every rank's epoch list that one step consumed."""
+    """The positions [start, stop) of every rank's epoch list that one step consumed (all of
+    its micro-batches)."""
 
     step: int
     epoch: int
@@ -45,14 +48,38 @@ class StepSchedule:
     epochs: int
     max_steps_per_epoch: int | None = None
     drop_last_batch: bool = False
+    accumulate: int = 1  # A: micro-batches per optimizer step
+
+    @property
+    def micro_batches(self) -> int:
+        """The DataLoader's length: ceil(L / B), or floor with drop_last_batch."""
+        full, rest = divmod(self.length, self.batch_size)
+        return full + (1 if rest and not self.drop_last_batch else 0)
 
     @property
     def steps_per_epoch(self) -> int:
-        """K: the DataLoader's length (ceil, or floor with drop_last_batch), then the cap."""
-        full, rest = divmod(self.length, self.batch_size)
-        steps = full + (1 if rest and not self.drop_last_batch else 0)
+        """K: ceil(micro-batches / A), then the cap."""
+        steps = -(-self.micro_batches // self.accumulate)
         cap = self.max_steps_per_epoch
         return steps if cap is None else min(steps, cap)
+
+    @property
+    def step_size(self) -> int:
+        """Positions a full optimizer step consumes per rank: A x B."""
+        return self.accumulate * self.batch_size
+
+    def steps_done(self, position: int) -> int:
+        """Steps of an epoch already run once ``position`` positions were consumed (a step
+        boundary: a multiple of A x B, or the end of the epoch's last, shorter step)."""
+        if position >= self.consumed_per_epoch:
+            return self.steps_per_epoch
+        return position // self.step_size
+
+    def span(self, k: int) -> tuple[int, int]:
+        """The positions [start, stop) that step ``k`` (0-based, within an epoch) reads."""
+        readable = min(self.micro_batches * self.batch_size, self.length)
+        start = k * self.step_size
+        return start, min(start + self.step_size, readable)
 
     @property
     def total_steps(self) -> int:
@@ -61,15 +88,14 @@ class StepSchedule:
     @property
     def consumed_per_epoch(self) -> int:
         """Positions of each rank's list that an epoch's steps read (a prefix of the list)."""
-        return min(self.steps_per_epoch * self.batch_size, self.length)
+        return self.span(self.steps_per_epoch - 1)[1] if self.steps_per_epoch else 0
 
     def batch(self, step: int) -> StepBatch:
         """The positions step ``step`` (1-based) consumed; ValueError outside the run."""
         if not 1 <= step <= self.total_steps:
             raise ValueError(self._outside(step))
         epoch, k = divmod(step - 1, self.steps_per_epoch)
-        start = k * self.batch_size
-        return StepBatch(step, epoch, start, min(start + self.batch_size, self.length))
+        return StepBatch(step, epoch, *self.span(k))
 
     def _outside(self, step: int) -> str:
         if self.total_steps == 0:
@@ -93,7 +119,7 @@ class StepSchedule:
             sampler.set_epoch(epoch)
             ranks, positions = sampler.locate(index)
             read = positions < self.consumed_per_epoch
-            steps = epoch * self.steps_per_epoch + positions[read] // self.batch_size + 1
+            steps = epoch * self.steps_per_epoch + positions[read] // self.step_size + 1
             rows = zip(ranks[read].tolist(), positions[read].tolist(), steps.tolist(), strict=True)
             found += [Hit(epoch, step, rank, pos) for rank, pos, step in rows]
         return sorted(found, key=lambda h: (h.step, h.rank))
