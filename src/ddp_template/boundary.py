@@ -191,6 +191,8 @@ def _check_logger(cfg: Config) -> None:
         "logger.log_checkpoints=best needs a best checkpoint, which this build does not write "
         "yet; use logger.log_checkpoints=last.",
     )
+
+
 def _check_loop(cfg: Config) -> None:
     """Accumulation, DDP options, EMA, the profiler window."""
     acc = cfg.optim.accumulate
