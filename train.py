@@ -208,4 +208,5 @@ if __name__ == "__main__":
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
+    sys.argv = boundary.experiment_spelling(sys.argv)
     main()

@@ -79,6 +79,12 @@ def _refuse_unknown_arguments(node: DictConfig, group: str) -> None:
             )
 
 
+def experiment_spelling(argv: list[str]) -> list[str]:
+    """``+experiment=<name>`` (the older spelling) as ``experiment=<name>``: the defaults list
+    has an ``experiment: null`` slot, and Hydra refuses to append a second one."""
+    return [a[1:] if a.startswith("+experiment=") else a for a in argv]
+
+
 def plain(cfg: Config) -> dict[str, Any]:
     """The typed config as plain, resolved containers (W&B's config, the checkpoint's YAML)."""
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
