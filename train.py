@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from ddp_template import boundary, distributed, faults, launch, run_identity
 from ddp_template.amp import build_scaler
-from ddp_template.checkpoint import Checkpointer, restore, resume_rank0
+from ddp_template.checkpoint import Checkpointer, init_weights, restore, resume_rank0
 from ddp_template.config import Config, register_configs
 from ddp_template.data.datasets import Splits, build_splits
 from ddp_template.data.loader import (
@@ -32,7 +32,9 @@ from ddp_template.data.loader import (
     build_train_sampler,
     reseed_for_epoch,
 )
+from ddp_template.data.schedule import StepSchedule
 from ddp_template.data.shard_check import epoch_metrics, verify_epoch
+from ddp_template.data.transforms import apply_transforms
 from ddp_template.engine import (
     EvalResult,
     Trainer,
@@ -43,7 +45,12 @@ from ddp_template.engine import (
 )
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 from ddp_template.logging import RankLogger, log, setup_console
-from ddp_template.models import build_model, convert_syncbn
+from ddp_template.models import (
+    build_model,
+    check_batch_statistics,
+    convert_syncbn,
+    describe_load,
+)
 from ddp_template.optim import build_optimizer, build_scheduler
 from ddp_template.preemption import Preemption
 from ddp_template.shard_plot import draw_shards_async
@@ -56,16 +63,34 @@ class Built(NamedTuple):
     trainer: Trainer
     splits: Splits
     eval_loader: DataLoader
+    val_loader: DataLoader | None  # data.val_fraction > 0: evaluated each epoch instead
+
+
+def last_batch(cfg: Config, per_rank: int) -> int:
+    """The size of each rank's last training batch in an epoch (0 without training)."""
+    schedule = StepSchedule(
+        length=per_rank,
+        batch_size=cfg.batch_size,
+        epochs=cfg.epochs,
+        max_steps_per_epoch=cfg.max_steps_per_epoch,
+        drop_last_batch=cfg.sampler.drop_last_batch,
+    )
+    if schedule.total_steps == 0:
+        return 0
+    batch = schedule.batch(schedule.steps_per_epoch)
+    return batch.stop - batch.start
 
 
 def build(cfg: Config, info: distributed.DistInfo) -> Built:
-    """Data → sampler → loaders → model (+SyncBN) → DDP → optimizer: the classic recipe."""
-    splits = build_splits(cfg.data)
+    """Data (+augmentation) → sampler → loaders → model (+SyncBN) → DDP → optimizer."""
+    splits = apply_transforms(build_splits(cfg.data), cfg.transforms, cfg.seed)
     sampler = build_train_sampler(splits.train, cfg.sampler, seed=cfg.seed, info=info)
     loader = build_train_loader(splits.train, sampler, cfg, info)
     eval_loader = build_eval_loader(splits.eval, cfg, info)
+    val_loader = build_eval_loader(splits.val, cfg, info) if splits.val is not None else None
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, splits.info)
+    check_batch_statistics(model, splits.info, last_batch(cfg, len(sampler)))
     if cfg.syncbn.enabled and info.distributed:
         model = convert_syncbn(model, info.device)  # before DDP registers the modules
     model.to(info.device)
@@ -86,17 +111,29 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         log_every=cfg.log_every,
         max_steps_per_epoch=cfg.max_steps_per_epoch,
         keep_indices=len(splits.train) <= cfg.shard_report_max_n,
+        label_smoothing=cfg.loss.label_smoothing,
     )
-    return Built(trainer, splits, eval_loader)
+    return Built(trainer, splits, eval_loader, val_loader)
 
 
 def resume(cfg: Config, ckpt: Checkpointer) -> TrainState:
-    """Continue from the newest valid checkpoint (resume=auto), a given file, or not at all."""
+    """Continue from the newest valid checkpoint (resume=auto), a given file, or not at all;
+    a fresh run may start from another run's weights (init_from)."""
     state = TrainState()
     found = resume_rank0(cfg.resume, ckpt.directory, ckpt.info)
     if found:
         restore(found, ckpt.trainer, state, ckpt.info)
+        ckpt.restore_best(found.payload)
         log.info("resumed from %s at epoch %d, step %d", found.path, state.epoch, state.step)
+    elif cfg.init_from is not None:
+        report = init_weights(
+            cfg.init_from,
+            ckpt.trainer.module,
+            ema=cfg.init_from_ema,
+            strict=cfg.init_from_strict,
+            info=ckpt.info,
+        )
+        log.info("initialised from %s: %s", cfg.init_from, describe_load(report))
     return state
 
 
@@ -107,6 +144,12 @@ def fit(
     tr, info = built.trainer, built.trainer.info
     every = cfg.checkpoint.preempt_check_every
     preempt = Preemption(info=info, every=every, run_id=logger.run.run_id)
+    classes = built.splits.info.num_classes
+    # Each epoch evaluates the validation split when there is one; the test split then once.
+    per_epoch, split = (
+        (built.val_loader, "val") if built.val_loader else (built.eval_loader, "eval")
+    )
+    patience = cfg.early_stop.patience
 
     def after_step(s: TrainState) -> bool:
         logger.step()
@@ -119,8 +162,20 @@ def fit(
     result = None
     try:
         for epoch in range(state.epoch, cfg.epochs):
+            if patience is not None and ckpt.stale_epochs(epoch - 1) >= patience:
+                log.info(
+                    "early stop before epoch %d: no better %s for %d epochs (best %.6g at "
+                    "epoch %d)",
+                    epoch,
+                    cfg.checkpoint.monitor,
+                    patience,
+                    ckpt.best_value,
+                    ckpt.best_epoch,
+                )
+                break
             state.epoch, start = epoch, state.position
             tr.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+            built.splits.set_epoch(epoch)  # augmentation draws from (seed, epoch, index)
             reseed_for_epoch(tr.loader, cfg.seed, info.rank, epoch)
             logger.start_epoch(epoch, steps_this_epoch(tr, state))
             stats = train_one_epoch(tr, state, after_step, logger.log_interval)
@@ -132,16 +187,19 @@ def fit(
                 logger.log_shard_report(report, epoch, state.step)
             if stats.stopped:
                 preempt.stop(state.step, ckpt.last)  # checkpointed: a requeue continues
-            result = evaluate(tr.module, built.eval_loader, info, tr.amp_mode)
-            logger.log_eval(result, epoch, state.step)
+            result = evaluate(tr.module, per_epoch, info, tr.amp_mode, num_classes=classes)
+            logger.log_eval(result, epoch, state.step, split)
             state.epoch, state.position = epoch + 1, 0
-            ckpt.save(state, epoch_end=True)
+            best = ckpt.improves(result.metrics(split), epoch)
+            ckpt.save(state, epoch_end=True, best=best)
             if epoch + 1 < cfg.epochs and preempt.sync():  # a signal late in the epoch
                 preempt.stop(state.step, ckpt.last)
     finally:
         preempt.close()
-    if result is None:  # epochs=0, or a finished run resumed: evaluate the model as it is
-        result = evaluate(tr.module, built.eval_loader, info, tr.amp_mode)
+    if result is None or split == "val":  # epochs=0, a finished run resumed, or a val split
+        result = evaluate(tr.module, built.eval_loader, info, tr.amp_mode, num_classes=classes)
+        if split == "val":
+            logger.log_eval(result, state.epoch, state.step, "eval")
     return result
 
 

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
-from helpers import PY, ROOT
+import torch
+from helpers import PY, ROOT, run, run_dirs, summary, train_cmd
 from omegaconf import DictConfig, OmegaConf
+
+from ddp_template.checkpoint import init_weights
+from ddp_template.distributed import DistInfo
+from ddp_template.models import small_cnn
+
+TINY = ["logger=none", "epochs=1", "max_steps_per_epoch=4"]
 
 
 def test_experiment_with_and_without_plus_compose_the_same(
@@ -22,3 +30,51 @@ def test_experiment_with_and_without_plus_compose_the_same(
     assert OmegaConf.create(shown[0].stdout) == OmegaConf.create(
         OmegaConf.to_yaml(compose_cfg("experiment=digits_ddp"))
     )
+
+
+def _fresh_small_cnn(num_classes: int) -> torch.nn.Module:
+    torch.manual_seed(0)  # as train.build seeds before building the model
+    return small_cnn(num_classes=num_classes, in_channels=1, image_size=8)
+
+
+def test_checkpoint_evaluates_anywhere_and_fine_tunes(tmp_path: Path) -> None:
+    """A 2-rank run's last.pt: evaluated on 1 and 3 processes it gives the run's own count;
+    init_from it trains a fresh run from step 0; a 3-class model takes all but its head."""
+    run(train_cmd(tmp_path / "two", *TINY, "dist.nproc=2"))
+    trained = run_dirs(tmp_path / "two")[0]
+    ckpt = trained / "checkpoints" / "last.pt"
+    own = summary(trained)
+    assert own["world_size"] == 2 and own["steps"] == 4 and own["eval_count"] == 359
+    for nproc in (1, 3):
+        out = tmp_path / f"eval{nproc}"
+        run(train_cmd(out, "logger=none", "epochs=0", f"init_from={ckpt}", f"dist.nproc={nproc}"))
+        s = summary(run_dirs(out)[0])
+        assert s["world_size"] == nproc
+        assert (s["eval_correct"], s["eval_count"]) == (own["eval_correct"], own["eval_count"])
+        assert s["eval_per_class_correct"] == own["eval_per_class_correct"]
+        assert s["eval_top5_correct"] == own["eval_top5_correct"]
+
+    proc = run(train_cmd(tmp_path / "ft", *TINY, f"init_from={ckpt}", "max_steps_per_epoch=2"))
+    ft = run_dirs(tmp_path / "ft")[0]
+    assert summary(ft)["steps"] == 2  # a fresh run: step 0, epoch 0, a new optimizer
+    assert f"initialised from {ckpt}: 14 tensors loaded" in proc.stdout + proc.stderr
+    payload = torch.load(ft / "checkpoints" / "last.pt", weights_only=True)
+    assert payload["step"] == 2 and payload["world_size"] == 1
+
+    # 10 classes -> 3: every tensor but the head is the checkpoint's, the head starts fresh.
+    source = torch.load(ckpt, weights_only=True)["model"]
+    model, fresh = _fresh_small_cnn(3), _fresh_small_cnn(3).state_dict()
+    info = DistInfo(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        backend=None,
+        device=torch.device("cpu"),
+        host="test",
+    )
+    report = init_weights(str(ckpt), model, ema=False, strict=True, info=info)
+    head = ["10.weight", "10.bias"]
+    assert report.reinitialised == head and not report.missing and not report.unexpected
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, fresh[key] if key in head else source[key]), key
