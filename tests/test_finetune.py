@@ -7,12 +7,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from helpers import PY, ROOT, run, run_dirs, summary, train_cmd
+from conftest import compose_conf
+from helpers import PY, ROOT, jsonl, run, run_dirs, summary, train_cmd
 from omegaconf import DictConfig, OmegaConf
 
+from ddp_template import boundary
 from ddp_template.checkpoint import init_weights
+from ddp_template.data.datasets import build_splits
+from ddp_template.data.loader import build_eval_loader
 from ddp_template.distributed import DistInfo
-from ddp_template.models import small_cnn
+from ddp_template.engine import EvalResult, evaluate
+from ddp_template.models import build_model, small_cnn
 
 TINY = ["logger=none", "epochs=1", "max_steps_per_epoch=4"]
 
@@ -32,6 +37,28 @@ def test_experiment_with_and_without_plus_compose_the_same(
     )
 
 
+ONE = DistInfo(
+    rank=0,
+    local_rank=0,
+    world_size=1,
+    local_world_size=1,
+    backend=None,
+    device=torch.device("cpu"),
+    host="test",
+)
+
+
+def evaluate_here(ckpt: Path, *overrides: str) -> EvalResult:
+    """``train.py epochs=0 init_from=<ckpt>`` in this process: one rank, the real builders."""
+    cfg = boundary.typed(compose_conf(*overrides))
+    splits = build_splits(cfg.data)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, splits.info)
+    init_weights(str(ckpt), model, ema=False, strict=True, info=ONE)
+    loader = build_eval_loader(splits.eval, cfg, ONE)
+    return evaluate(model, loader, ONE, "off", num_classes=splits.info.num_classes)
+
+
 def _fresh_small_cnn(num_classes: int) -> torch.nn.Module:
     torch.manual_seed(0)  # as train.build seeds before building the model
     return small_cnn(num_classes=num_classes, in_channels=1, image_size=8)
@@ -45,11 +72,11 @@ def test_checkpoint_evaluates_anywhere_and_fine_tunes(tmp_path: Path) -> None:
     ckpt = trained / "checkpoints" / "last.pt"
     own = summary(trained)
     assert own["world_size"] == 2 and own["steps"] == 4 and own["eval_count"] == 359
-    for nproc in (1, 3):
-        out = tmp_path / f"eval{nproc}"
-        run(train_cmd(out, "logger=none", "epochs=0", f"init_from={ckpt}", f"dist.nproc={nproc}"))
-        s = summary(run_dirs(out)[0])
-        assert s["world_size"] == nproc
+    out = tmp_path / "eval3"
+    run(train_cmd(out, "logger=none", "epochs=0", f"init_from={ckpt}", "dist.nproc=3"))
+    three, one = summary(run_dirs(out)[0]), evaluate_here(ckpt).summary()
+    assert three["world_size"] == 3
+    for s in (three, one):
         assert (s["eval_correct"], s["eval_count"]) == (own["eval_correct"], own["eval_count"])
         assert s["eval_per_class_correct"] == own["eval_per_class_correct"]
         assert s["eval_top5_correct"] == own["eval_top5_correct"]
@@ -78,3 +105,19 @@ def test_checkpoint_evaluates_anywhere_and_fine_tunes(tmp_path: Path) -> None:
     assert report.reinitialised == head and not report.missing and not report.unexpected
     for key, value in model.state_dict().items():
         assert torch.equal(value, fresh[key] if key in head else source[key]), key
+
+
+def test_best_checkpoint_holds_the_best_epoch_and_early_stop(tmp_path: Path) -> None:
+    """best.pt is the epoch with the best eval/accuracy: evaluating it gives that value exactly;
+    early_stop.patience=1 ends the run after the first epoch without a new best."""
+    monitor = ["checkpoint.monitor=eval/accuracy", "early_stop.patience=1"]
+    run(train_cmd(tmp_path, *TINY, "epochs=5", "optim.lr=0.5", *monitor))
+    d = run_dirs(tmp_path)[0]
+    rows = [r for r in jsonl(d / "rank0" / "metrics.jsonl") if "eval/accuracy" in r]
+    accuracy = [r["eval/accuracy"] for r in rows]
+    best = max(range(len(accuracy)), key=lambda e: (accuracy[e], -e))  # the first best epoch
+    assert len(rows) == best + 2 < 5, accuracy  # patience 1: stopped after one more epoch
+    payload = torch.load(d / "checkpoints" / "best.pt", weights_only=True)
+    assert payload["best"] == {"monitor": "eval/accuracy", "value": accuracy[best], "epoch": best}
+    assert payload["epoch"] == best + 1
+    assert evaluate_here(d / "checkpoints" / "best.pt").accuracy == accuracy[best]
