@@ -6,6 +6,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import compose_conf
 from helpers import PY, ROOT, jsonl, run, run_dirs, summary, train_cmd
@@ -64,6 +65,7 @@ def _fresh_small_cnn(num_classes: int) -> torch.nn.Module:
     return small_cnn(num_classes=num_classes, in_channels=1, image_size=8)
 
 
+@pytest.mark.slow
 def test_checkpoint_evaluates_anywhere_and_fine_tunes(tmp_path: Path) -> None:
     """A 2-rank run's last.pt: evaluated on 1 and 3 processes it gives the run's own count;
     init_from it trains a fresh run from step 0; a 3-class model takes all but its head."""
@@ -107,6 +109,7 @@ def test_checkpoint_evaluates_anywhere_and_fine_tunes(tmp_path: Path) -> None:
         assert torch.equal(value, fresh[key] if key in head else source[key]), key
 
 
+@pytest.mark.slow
 def test_best_checkpoint_holds_the_best_epoch_and_early_stop(tmp_path: Path) -> None:
     """best.pt is the epoch with the best eval/accuracy: evaluating it gives that value exactly;
     early_stop.patience=1 ends the run after the first epoch without a new best."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import compose_conf
 from test_resume import assert_identical, final_model, launch
@@ -71,6 +72,7 @@ def test_augmentation_is_the_same_on_any_world_size_and_worker() -> None:
     assert sum(not torch.equal(epochs[0][i], plain[i][0]) for i in range(24)) > 12  # augmented
 
 
+@pytest.mark.slow
 def test_augmented_run_killed_mid_epoch_resumes_identically(tmp_path: Path) -> None:
     """test_resume's crash at step 11 of 16 (2 ranks, 2 loader workers), with transforms=cifar."""
     launch(tmp_path, "ref", "logger=none", *AUGMENTED)

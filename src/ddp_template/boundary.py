@@ -172,7 +172,8 @@ def _check_finetune(cfg: Config) -> None:
         default = key == "init_from_strict"
         _require(
             cfg.init_from is not None or getattr(cfg, key) == default,
-            f"{key}={getattr(cfg, key)} only applies to init_from, which is not set; set "
+            f"{key}={str(getattr(cfg, key)).lower()} only applies to init_from, which is not "
+            f"set; set "
             f"init_from=<checkpoint> or drop {key}.",
         )
     _require(
@@ -207,7 +208,8 @@ def _check_finetune(cfg: Config) -> None:
     if patience is not None:
         _require(
             patience >= 1,
-            f"early_stop.patience={patience} must be >= 1 (epochs without a new best), or null.",
+            f"early_stop.patience={patience} must be >= 1 (epochs without a new best); e.g. "
+            f"early_stop.patience=3, or null.",
         )
         _require(
             monitor is not None,
