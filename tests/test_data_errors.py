@@ -200,10 +200,10 @@ def test_batch_of_one_with_batch_norm_is_refused() -> None:
 
 
 def test_train_py_exits_2_on_data_errors(tmp_path: Path) -> None:
-    """Through train.py: the builders' sentences, exit 2, no traceback (2 ranks: 11 rows of
-    flat CSV features, batch 5 -> each rank's last batch holds 1 sample)."""
+    """Through train.py: the builders' sentences, exit 2, no traceback (11 rows of flat CSV
+    features, batch 5: the last batch holds 1 sample)."""
     rng = np.random.default_rng(0)
-    for split, n in (("train", 21), ("test", 4)):
+    for split, n in (("train", 11), ("test", 4)):
         table = np.column_stack([rng.integers(0, 3, n), rng.normal(size=(n, 5))])
         np.savetxt(tmp_path / f"{split}.csv", table, delimiter=",")
     (tmp_path / "images" / "train").mkdir(parents=True)
@@ -213,7 +213,7 @@ def test_train_py_exits_2_on_data_errors(tmp_path: Path) -> None:
         "train/<class>/": ["data=imagefolder", f"data.path={tmp_path / 'images'}"],
     }
     for expected, overrides in cases.items():
-        cmd = train_cmd(tmp_path, "logger=none", "epochs=1", "dist.nproc=2", *overrides)
+        cmd = train_cmd(tmp_path, "logger=none", "epochs=1", *overrides)
         proc = run(cmd, check=False)
         output = proc.stdout + proc.stderr
         assert proc.returncode == EXIT_CONFIG_ERROR, output[-3000:]

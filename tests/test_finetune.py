@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import compose_conf
-from helpers import PY, ROOT, jsonl, run, run_dirs, summary, train_cmd
+from helpers import PY, ROOT, jsonl, run, run_dirs, step_trainer, summary, train_cmd
 from omegaconf import DictConfig, OmegaConf
 
 from ddp_template import boundary
@@ -17,7 +18,7 @@ from ddp_template.checkpoint import init_weights
 from ddp_template.data.datasets import build_splits
 from ddp_template.data.loader import build_eval_loader
 from ddp_template.distributed import DistInfo
-from ddp_template.engine import EvalResult, evaluate
+from ddp_template.engine import EvalResult, _step, evaluate
 from ddp_template.models import build_model, small_cnn
 
 TINY = ["logger=none", "epochs=1", "max_steps_per_epoch=4"]
@@ -124,3 +125,60 @@ def test_best_checkpoint_holds_the_best_epoch_and_early_stop(tmp_path: Path) -> 
     assert payload["best"] == {"monitor": "eval/accuracy", "value": accuracy[best], "epoch": best}
     assert payload["epoch"] == best + 1
     assert evaluate_here(d / "checkpoints" / "best.pt").accuracy == accuracy[best]
+
+
+def test_label_smoothing_is_the_training_loss() -> None:
+    torch.manual_seed(0)
+    model = small_cnn(num_classes=10, in_channels=1, image_size=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    tr = step_trainer(
+        model=model,
+        optimizer=optimizer,
+        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        device=torch.device("cpu"),
+        amp_mode="off",
+        grad_clip=None,
+    )
+    tr.label_smoothing = 0.2
+    x, y = torch.randn(6, 1, 8, 8), torch.arange(6)
+    model.eval()  # BN running stats: the expected value sees the same normalisation
+    expected = F.cross_entropy(model(x), y, label_smoothing=0.2)
+    loss = _step(tr, x, y, want_norm=False).loss
+    assert torch.allclose(loss, expected) and not torch.allclose(loss, F.cross_entropy(model(x), y))
+
+
+def test_val_fraction_carves_a_disjoint_seeded_split() -> None:
+    cfg = boundary.typed(compose_conf("data.val_fraction=0.25"))
+    a, b = build_splits(cfg.data), build_splits(cfg.data)
+    full = build_splits(boundary.typed(compose_conf()).data)
+    assert (len(a.train), len(a.val), len(a.eval)) == (1078, 360, 359)
+    train, val = set(a.train.indices.tolist()), set(a.val.indices.tolist())
+    assert not train & val and train | val == set(range(len(full.train)))
+    assert (a.val.indices == b.val.indices).all()  # seeded: the same carve every time
+    x, y, j = a.val[3]
+    assert j == 3 and torch.equal(x, full.train[int(a.val.indices[3])][0])
+
+
+@pytest.mark.slow
+def test_val_split_is_evaluated_each_epoch_and_test_once(tmp_path: Path) -> None:
+    run(
+        train_cmd(
+            tmp_path,
+            *TINY,
+            "epochs=2",
+            "data.val_fraction=0.25",
+            "checkpoint.monitor=val/loss",
+            "checkpoint.mode=min",
+        )
+    )
+    d = run_dirs(tmp_path)[0]
+    rows = jsonl(d / "rank0" / "metrics.jsonl")
+    val = [r for r in rows if "val/accuracy" in r]
+    test = [r for r in rows if "eval/accuracy" in r]
+    assert [r["epoch"] for r in val] == [0, 1] and len(test) == 1
+    assert next(r for r in rows if "data/val_size" in r)["data/val_size"] == 360
+    s = summary(d)
+    assert (s["eval_count"], s["val_size"], s["train_size"]) == (359, 360, 1078)
+    assert s["eval_accuracy"] == test[0]["eval/accuracy"]
+    best = torch.load(d / "checkpoints" / "best.pt", weights_only=True)["best"]
+    assert best["value"] == min(r["val/loss"] for r in val)
