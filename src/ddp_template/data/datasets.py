@@ -280,9 +280,9 @@ def build_splits(data_cfg: Any) -> Splits:
     validation split (``data.val_fraction``)."""
     from omegaconf import OmegaConf
 
-    node = OmegaConf.masked_copy(data_cfg, [k for k in data_cfg if k not in SPLIT_KEYS])
-    val_fraction = float(data_cfg.get("val_fraction", 0.0))
-    splits = instantiate_clean(node)
+    resolved = OmegaConf.to_container(data_cfg, resolve=True)
+    val_fraction = float(resolved.pop("val_fraction", 0.0))
+    splits = instantiate_clean(OmegaConf.create(resolved))
     if not isinstance(splits, Splits):
         raise ConfigError(
             f"data._target_={data_cfg.get('_target_')} returned {type(splits).__name__}; a data "
