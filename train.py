@@ -62,8 +62,9 @@ run_identity.register_resolvers()
 class Built(NamedTuple):
     trainer: Trainer
     splits: Splits
-    eval_loader: DataLoader
+    eval_loader: DataLoader  # the test split
     val_loader: DataLoader | None  # data.val_fraction > 0: evaluated each epoch instead
+    final_loader: DataLoader  # eval_split's: the split summary.json reports
 
 
 def last_batch(cfg: Config, per_rank: int) -> int:
@@ -88,6 +89,9 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     loader = build_train_loader(splits.train, sampler, cfg, info)
     eval_loader = build_eval_loader(splits.eval, cfg, info)
     val_loader = build_eval_loader(splits.val, cfg, info) if splits.val is not None else None
+    final_loader = {"test": eval_loader, "val": val_loader}.get(str(cfg.eval_split))
+    if final_loader is None:
+        final_loader = build_eval_loader(splits.split(str(cfg.eval_split)), cfg, info)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, splits.info)
     check_batch_statistics(model, splits.info, last_batch(cfg, len(sampler)))
@@ -113,7 +117,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         keep_indices=len(splits.train) <= cfg.shard_report_max_n,
         label_smoothing=cfg.loss.label_smoothing,
     )
-    return Built(trainer, splits, eval_loader, val_loader)
+    return Built(trainer, splits, eval_loader, val_loader, final_loader)
 
 
 def resume(cfg: Config, ckpt: Checkpointer) -> TrainState:
@@ -196,10 +200,12 @@ def fit(
                 preempt.stop(state.step, ckpt.last)
     finally:
         preempt.close()
-    if result is None or split == "val":  # epochs=0, a finished run resumed, or a val split
-        result = evaluate(tr.module, built.eval_loader, info, tr.amp_mode, num_classes=classes)
-        if split == "val":
+    if result is None or split == "val" or cfg.eval_split != "test":
+        # epochs=0, a finished run resumed, a val split, or the final eval on another split
+        result = evaluate(tr.module, built.final_loader, info, tr.amp_mode, num_classes=classes)
+        if split == "val" and cfg.eval_split == "test":
             logger.log_eval(result, state.epoch, state.step, "eval")
+    result.split = str(cfg.eval_split)
     return result
 
 

@@ -60,6 +60,7 @@ def checked(*overrides: str) -> None:
             ["checkpoint.monitor=eval/loss", "checkpoint.enabled=false"],
             ["checkpoint.monitor=eval/loss", "checkpoint.enabled=true"],
         ),
+        (["eval_split=val"], ["eval_split=val", "data.val_fraction"]),
         (["early_stop.patience=0"], ["early_stop.patience=0", ">= 1"]),
         (["early_stop.patience=2"], ["early_stop.patience=2", "checkpoint.monitor=eval/accuracy"]),
         (["transforms=cifar", "transforms.padding=-1"], ["transforms.padding=-1", "=4"]),

@@ -182,3 +182,10 @@ def test_val_split_is_evaluated_each_epoch_and_test_once(tmp_path: Path) -> None
     assert s["eval_accuracy"] == test[0]["eval/accuracy"]
     best = torch.load(d / "checkpoints" / "best.pt", weights_only=True)["best"]
     assert best["value"] == min(r["val/loss"] for r in val)
+    # Any split at any world size: best.pt on the validation split, on 2 ranks.
+    evaluated = ["epochs=0", "data.val_fraction=0.25", "eval_split=val", "dist.nproc=2"]
+    ckpt = d / "checkpoints" / "best.pt"
+    run(train_cmd(tmp_path / "eval", "logger=none", f"init_from={ckpt}", *evaluated))
+    s = summary(run_dirs(tmp_path / "eval")[0])
+    assert (s["eval_split"], s["eval_count"], s["world_size"]) == ("val", 360, 2)
+    assert s["eval_correct"] == val[best["epoch"]]["val/correct"]

@@ -70,6 +70,8 @@ def test_augmentation_is_the_same_on_any_world_size_and_worker() -> None:
         epochs.append(one)
     assert sum(not torch.equal(epochs[0][i], epochs[1][i]) for i in range(24)) > 12  # redrawn
     assert sum(not torch.equal(epochs[0][i], plain[i][0]) for i in range(24)) > 12  # augmented
+    unaugmented = splits.split("train")  # eval_split=train evaluates the samples as they are
+    assert all(torch.equal(unaugmented[i][0], plain[i][0]) for i in range(24))
 
 
 @pytest.mark.slow

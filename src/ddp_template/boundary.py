@@ -192,6 +192,11 @@ def _check_finetune(cfg: Config) -> None:
         f"data.val_fraction={fraction} must be in [0, 1); e.g. data.val_fraction=0.1 (0: none).",
     )
     split = "val" if fraction > 0 else "eval"
+    _require(
+        cfg.eval_split != "val" or fraction > 0,
+        "eval_split=val needs a validation split; set data.val_fraction (e.g. 0.1), or "
+        "eval_split=test.",
+    )
     monitor, patience = cfg.checkpoint.monitor, cfg.early_stop.patience
     if monitor is not None:
         allowed = [f"{split}/{m}" for m in MONITORED]

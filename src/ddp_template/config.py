@@ -77,6 +77,12 @@ class TransformName(Choice):
     imagenet = "imagenet"
 
 
+class EvalSplit(Choice):
+    test = "test"
+    val = "val"
+    train = "train"
+
+
 class MonitorMode(Choice):
     max = "max"
     min = "min"
@@ -296,6 +302,9 @@ class Config:
     init_from: str | None = None
     init_from_ema: bool = False  # take the checkpoint's EMA weights instead
     init_from_strict: bool = True  # refuse missing/unexpected keys
+    # The split of the final evaluation (summary.json): test, val (data.val_fraction > 0) or
+    # train (without augmentation). With epochs=0 and init_from: evaluate a checkpoint on it.
+    eval_split: EvalSplit = EvalSplit.test
     loss: LossConfig = field(default_factory=LossConfig)
     transforms: TransformsConfig = field(default_factory=TransformsConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)

@@ -171,6 +171,7 @@ class EvalResult:
     top5_correct: int | None = None  # None with fewer than TOP_K classes
     class_correct: list[int] = field(default_factory=list)
     class_count: list[int] = field(default_factory=list)
+    split: str = "test"  # which split summary.json's eval_* keys describe (eval_split)
 
     @property
     def accuracy(self) -> float:
@@ -206,6 +207,7 @@ class EvalResult:
     def summary(self, prefix: str = "eval") -> dict[str, Any]:
         """summary.json's keys for this split."""
         out = {
+            f"{prefix}_split": self.split,
             f"{prefix}_accuracy": self.accuracy,
             f"{prefix}_correct": self.correct,
             f"{prefix}_count": self.count,

@@ -38,6 +38,16 @@ class Splits:
     info: DataInfo
     val: Dataset | None = None  # carved from the training data with data.val_fraction
 
+    def split(self, name: str) -> Dataset:
+        """The split named ``test``, ``val`` or ``train`` (the latter without augmentation)."""
+        if name == "val" and self.val is not None:
+            return self.val
+        if name == "train":
+            return getattr(self.train, "for_eval", self.train)
+        if name == "test":
+            return self.eval
+        raise ValueError(f"no split {name}")
+
     def set_epoch(self, epoch: int) -> None:
         """Tell the training data the epoch (its augmentation depends on it)."""
         if hasattr(self.train, "set_epoch"):

@@ -32,8 +32,9 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 class Augmented(Dataset):
     """An ``(x, y, index)`` dataset whose inputs pass through a random transform."""
 
-    def __init__(self, base: Dataset, transform: Any, seed: int) -> None:
+    def __init__(self, base: Dataset, transform: Any, seed: int, for_eval: Dataset) -> None:
         self.base, self.transform, self.seed = base, transform, seed
+        self.for_eval = for_eval  # the same samples without augmentation (eval_split=train)
         # Shared memory: persistent loader workers hold a copy of this dataset, and set_epoch
         # in the rank must reach them before the epoch's first index does.
         self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
@@ -99,9 +100,11 @@ def apply_transforms(splits: Splits, cfg: TransformsConfig, seed: int) -> Splits
     train_tf, test_tf = pipelines(cfg, info.image_size, info.in_channels)
     if train_tf is None and test_tf is None:
         return splits  # transforms=none: the data exactly as its builder gives it
-    train = Augmented(splits.train, train_tf, seed) if train_tf is not None else splits.train
 
     def mapped(ds: Dataset | None) -> Dataset | None:
         return Mapped(ds, test_tf) if ds is not None and test_tf is not None else ds
 
+    train = splits.train
+    if train_tf is not None:
+        train = Augmented(train, train_tf, seed, for_eval=mapped(train))
     return Splits(train, mapped(splits.eval), info, mapped(splits.val))
