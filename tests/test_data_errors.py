@@ -77,8 +77,8 @@ def test_startup_check_refuses(overrides: list[str], named: list[str]) -> None:
 
 
 def test_enum_keys_are_refused_by_hydra() -> None:
-    for override in ("checkpoint.mode=median", "transforms=autoaugment"):
-        with pytest.raises(Exception, match="median|autoaugment"):
+    for override in ("checkpoint.mode=median", "transforms=autoaugment", "eval_split=holdout"):
+        with pytest.raises(Exception, match="median|autoaugment|holdout"):
             compose_conf(override)
     checked("checkpoint.monitor=val/top5", "data.val_fraction=0.2", "checkpoint.mode=min")
 
