@@ -135,7 +135,6 @@ def resume(cfg: Config, ckpt: Checkpointer) -> TrainState:
             ckpt.trainer.module,
             ema=cfg.init_from_ema,
             strict=cfg.init_from_strict,
-            info=ckpt.info,
         )
         log.info("initialised from %s: %s", cfg.init_from, describe_load(report))
     return state

@@ -16,19 +16,8 @@ from ddp_template.checkpoint import FORMAT_VERSION, init_weights, save_atomic
 from ddp_template.config import TransformsConfig
 from ddp_template.data.datasets import DataInfo, build_splits
 from ddp_template.data.transforms import apply_transforms
-from ddp_template.distributed import DistInfo
 from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
 from ddp_template.models import check_batch_statistics, small_cnn, torchvision_model
-
-ONE = DistInfo(
-    rank=0,
-    local_rank=0,
-    world_size=1,
-    local_world_size=1,
-    backend=None,
-    device=torch.device("cpu"),
-    host="test",
-)
 
 
 def refused(call, *named: str) -> str:
@@ -93,37 +82,37 @@ def _checkpoint(tmp_path: Path, **extra) -> Path:
 def test_init_from_refusals(tmp_path: Path) -> None:
     model = small_cnn(num_classes=10, in_channels=1, image_size=8)
     refused(
-        lambda: init_weights("nope.pt", model, ema=False, strict=True, info=ONE),
+        lambda: init_weights("nope.pt", model, ema=False, strict=True),
         "init_from=nope.pt",
         "last.pt or best.pt",
     )
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
     refused(
-        lambda: init_weights(str(junk), model, ema=False, strict=True, info=ONE),
+        lambda: init_weights(str(junk), model, ema=False, strict=True),
         str(junk),
         "init_from=<path>",
     )
     path = _checkpoint(tmp_path)
     refused(
-        lambda: init_weights(str(path), model, ema=True, strict=True, info=ONE),
+        lambda: init_weights(str(path), model, ema=True, strict=True),
         "init_from_ema=true",
         "no EMA weights",
         "init_from_ema=false",
     )
     deeper = small_cnn(num_classes=10, in_channels=1, image_size=8, depth=3)
     refused(
-        lambda: init_weights(str(path), deeper, ema=False, strict=True, info=ONE),
+        lambda: init_weights(str(path), deeper, ema=False, strict=True),
         f"init_from={path}",
         "missing keys",
         "init_from_strict=false",
     )
-    report = init_weights(str(path), deeper, ema=False, strict=False, info=ONE)
+    report = init_weights(str(path), deeper, ema=False, strict=False)
     assert report.missing and report.unexpected and "0.weight" in report.loaded  # the rest fits
 
     shifted = {k: v + 1 for k, v in model.state_dict().items() if v.is_floating_point()}
     path = _checkpoint(tmp_path, ema={"model": shifted})
-    init_weights(str(path), model, ema=True, strict=False, info=ONE)
+    init_weights(str(path), model, ema=True, strict=False)
     assert torch.equal(model.state_dict()["0.weight"], shifted["0.weight"])
 
 

@@ -56,7 +56,7 @@ def evaluate_here(ckpt: Path, *overrides: str) -> EvalResult:
     splits = build_splits(cfg.data)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, splits.info)
-    init_weights(str(ckpt), model, ema=False, strict=True, info=ONE)
+    init_weights(str(ckpt), model, ema=False, strict=True)
     loader = build_eval_loader(splits.eval, cfg, ONE)
     return evaluate(model, loader, ONE, "off", num_classes=splits.info.num_classes)
 

@@ -295,9 +295,7 @@ def resume_rank0(resume: str, directory: Path, info: DistInfo) -> Found | None:
     return Found(Path(chosen), load(Path(chosen)))
 
 
-def init_weights(
-    path_str: str, module: torch.nn.Module, *, ema: bool, strict: bool, info: DistInfo
-) -> LoadReport:
+def init_weights(path_str: str, module: torch.nn.Module, *, ema: bool, strict: bool) -> LoadReport:
     """``init_from``: a checkpoint's model (or EMA) weights into a fresh run's model.
 
     Only the weights are read, so the checkpoint's world size, sampler mode, optimizer and step
