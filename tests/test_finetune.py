@@ -94,16 +94,7 @@ def test_checkpoint_evaluates_anywhere_and_fine_tunes(tmp_path: Path) -> None:
     # 10 classes -> 3: every tensor but the head is the checkpoint's, the head starts fresh.
     source = torch.load(ckpt, weights_only=True)["model"]
     model, fresh = _fresh_small_cnn(3), _fresh_small_cnn(3).state_dict()
-    info = DistInfo(
-        rank=0,
-        local_rank=0,
-        world_size=1,
-        local_world_size=1,
-        backend=None,
-        device=torch.device("cpu"),
-        host="test",
-    )
-    report = init_weights(str(ckpt), model, ema=False, strict=True, info=info)
+    report = init_weights(str(ckpt), model, ema=False, strict=True)
     head = ["10.weight", "10.bias"]
     assert report.reinitialised == head and not report.missing and not report.unexpected
     for key, value in model.state_dict().items():
