@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from ddp_template import boundary, distributed, faults, launch, numerics, run_identity
 from ddp_template.amp import build_scaler
-from ddp_template.checkpoint import Checkpointer, restore, resume_rank0
+from ddp_template.checkpoint import Checkpointer, init_weights, restore, resume_rank0
 from ddp_template.config import Config, register_configs
 from ddp_template.data.datasets import Splits, build_splits
 from ddp_template.data.loader import (
@@ -33,6 +33,7 @@ from ddp_template.data.loader import (
 )
 from ddp_template.data.schedule import StepSchedule
 from ddp_template.data.shard_check import epoch_metrics, verify_epoch
+from ddp_template.data.transforms import apply_transforms
 from ddp_template.ema import build_ema
 from ddp_template.engine import (
     EvalResult,
@@ -44,7 +45,12 @@ from ddp_template.engine import (
 )
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 from ddp_template.logging import RankLogger, log, setup_console
-from ddp_template.models import build_model, convert_syncbn
+from ddp_template.models import (
+    build_model,
+    check_batch_statistics,
+    convert_syncbn,
+    describe_load,
+)
 from ddp_template.optim import build_optimizer, build_scheduler
 from ddp_template.parallel import build_ddp, compile_model
 from ddp_template.preemption import Preemption
@@ -58,17 +64,40 @@ run_identity.register_resolvers()
 class Built(NamedTuple):
     trainer: Trainer
     splits: Splits
-    eval_loader: DataLoader
+    eval_loader: DataLoader  # the test split
+    val_loader: DataLoader | None  # data.val_fraction > 0: evaluated each epoch instead
+    final_loader: DataLoader  # eval_split's: the split summary.json reports
+
+
+def last_batch(cfg: Config, per_rank: int) -> int:
+    """The size of each rank's last training batch in an epoch (0 without training)."""
+    schedule = StepSchedule(
+        length=per_rank,
+        batch_size=cfg.batch_size,
+        epochs=cfg.epochs,
+        max_steps_per_epoch=cfg.max_steps_per_epoch,
+        drop_last_batch=cfg.sampler.drop_last_batch,
+    )
+    if schedule.total_steps == 0:
+        return 0
+    batch = schedule.batch(schedule.steps_per_epoch)
+    return batch.stop - batch.start
 
 
 def build(cfg: Config, info: distributed.DistInfo) -> Built:
-    """Data → sampler → loaders → model (+SyncBN) → EMA → DDP → compile → optimizer."""
-    splits = build_splits(cfg.data)
+    """Data (+augmentation) → sampler → loaders → model (+SyncBN) → EMA → DDP → compile →
+    optimizer."""
+    splits = apply_transforms(build_splits(cfg.data), cfg.transforms, cfg.seed)
     sampler = build_train_sampler(splits.train, cfg.sampler, seed=cfg.seed, info=info)
     loader = build_train_loader(splits.train, sampler, cfg, info)
     eval_loader = build_eval_loader(splits.eval, cfg, info)
+    val_loader = build_eval_loader(splits.val, cfg, info) if splits.val is not None else None
+    final_loader = {"test": eval_loader, "val": val_loader}.get(str(cfg.eval_split))
+    if final_loader is None:
+        final_loader = build_eval_loader(splits.split(str(cfg.eval_split)), cfg, info)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, splits.info)
+    check_batch_statistics(model, splits.info, last_batch(cfg, len(sampler)))
     if cfg.syncbn.enabled and info.distributed:
         model = convert_syncbn(model, info.device)  # before DDP registers the modules
     if cfg.channels_last:
@@ -101,17 +130,28 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         schedule=schedule,
         ema=ema,
         keep_indices=len(splits.train) <= cfg.shard_report_max_n,
+        label_smoothing=cfg.loss.label_smoothing,
     )
-    return Built(trainer, splits, eval_loader)
+    return Built(trainer, splits, eval_loader, val_loader, final_loader)
 
 
 def resume(cfg: Config, ckpt: Checkpointer) -> TrainState:
-    """Continue from the newest valid checkpoint (resume=auto), a given file, or not at all."""
+    """Continue from the newest valid checkpoint (resume=auto), a given file, or not at all;
+    a fresh run may start from another run's weights (init_from)."""
     state = TrainState()
     found = resume_rank0(cfg.resume, ckpt.directory, ckpt.info)
     if found:
         restore(found, ckpt.trainer, state, ckpt.info)
+        ckpt.restore_best(found.payload)
         log.info("resumed from %s at epoch %d, step %d", found.path, state.epoch, state.step)
+    elif cfg.init_from is not None:
+        report = init_weights(
+            cfg.init_from,
+            ckpt.trainer.module,
+            ema=cfg.init_from_ema,
+            strict=cfg.init_from_strict,
+        )
+        log.info("initialised from %s: %s", cfg.init_from, describe_load(report))
     return state
 
 
@@ -123,6 +163,12 @@ def fit(
     every = cfg.checkpoint.preempt_check_every
     preempt = Preemption(info=info, every=every, run_id=logger.run.run_id)
     profiler = StepProfiler(cfg=cfg.profiler, run_dir=logger.run.run_dir, info=info)
+    classes = built.splits.info.num_classes
+    # Each epoch evaluates the validation split when there is one; the test split then once.
+    per_epoch, split = (
+        (built.val_loader, "val") if built.val_loader else (built.eval_loader, "eval")
+    )
+    patience = cfg.early_stop.patience
 
     def after_step(s: TrainState) -> bool:
         logger.step()
@@ -136,8 +182,20 @@ def fit(
     result = None
     try:
         for epoch in range(state.epoch, cfg.epochs):
+            if patience is not None and ckpt.stale_epochs(epoch - 1) >= patience:
+                log.info(
+                    "early stop before epoch %d: no better %s for %d epochs (best %.6g at "
+                    "epoch %d)",
+                    epoch,
+                    cfg.checkpoint.monitor,
+                    patience,
+                    ckpt.best_value,
+                    ckpt.best_epoch,
+                )
+                break
             state.epoch, start = epoch, state.position
             tr.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+            built.splits.set_epoch(epoch)  # augmentation draws from (seed, epoch, index)
             reseed_for_epoch(tr.loader, cfg.seed, info.rank, epoch)
             logger.start_epoch(epoch, steps_this_epoch(tr, state))
             stats = train_one_epoch(tr, state, after_step, logger.log_interval)
@@ -149,37 +207,36 @@ def fit(
                 logger.log_shard_report(report, epoch, state.step)
             if stats.stopped:
                 preempt.stop(state.step, ckpt.last)  # checkpointed: a requeue continues
-            result = evaluate(tr.module, built.eval_loader, info, tr.amp_mode)
-            logger.log_eval(result, epoch, state.step)
+            result = evaluate(tr.module, per_epoch, info, tr.amp_mode, num_classes=classes)
+            logger.log_eval(result, epoch, state.step, split)
             if tr.ema is not None:  # the averaged weights, evaluated as exactly
-                ema = evaluate(tr.ema.module, built.eval_loader, info, tr.amp_mode)
-                logger.log(_ema_metrics(ema), state.step)
+                ema = evaluate(tr.ema.module, per_epoch, info, tr.amp_mode, num_classes=classes)
+                logger.log(_ema_metrics(ema, split), state.step)
             state.epoch, state.position = epoch + 1, 0
-            ckpt.save(state, epoch_end=True)
-            logger.log_checkpoint(
-                ckpt.last,
-                kind="last",
-                step=state.step,
-                epoch=epoch,
-                metrics={"eval/accuracy": result.accuracy, "eval/loss": result.loss},
-            )
+            best = ckpt.improves(result.metrics(split), epoch)
+            saved = ckpt.save(state, epoch_end=True, best=best)
+            for kind, path in (("last", saved.last), ("best", saved.best)):
+                logger.log_checkpoint(
+                    path, kind=kind, step=state.step, epoch=epoch, metrics=result.metrics(split)
+                )
             if epoch + 1 < cfg.epochs and preempt.sync():  # a signal late in the epoch
                 preempt.stop(state.step, ckpt.last)
     finally:
         profiler.close()
         preempt.close()
-    if result is None:  # epochs=0, or a finished run resumed: evaluate the model as it is
-        result = evaluate(tr.module, built.eval_loader, info, tr.amp_mode)
+    if result is None or split == "val" or cfg.eval_split != "test":
+        # epochs=0, a finished run resumed, a val split, or the final eval on another split
+        result = evaluate(tr.module, built.final_loader, info, tr.amp_mode, num_classes=classes)
+        if split == "val" and cfg.eval_split == "test":
+            logger.log_eval(result, state.epoch, state.step, "eval")
+    result.split = str(cfg.eval_split)
     return result
 
 
-def _ema_metrics(result: EvalResult) -> dict[str, float]:
-    log.info("EMA eval accuracy %.4f, loss %.4f", result.accuracy, result.loss)
-    return {
-        "eval/ema_accuracy": result.accuracy,
-        "eval/ema_loss": result.loss,
-        "eval/ema_correct": result.correct,
-    }
+def _ema_metrics(result: EvalResult, split: str) -> dict[str, float]:
+    """The EMA's eval under ``<split>/ema_<metric>`` (eval/ema_accuracy, …)."""
+    log.info("EMA %s accuracy %.4f, loss %.4f", split, result.accuracy, result.loss)
+    return {k.replace("/", "/ema_", 1): v for k, v in result.metrics(split).items()}
 
 
 def train(cfg: Config, run: run_identity.RunInfo) -> float:
@@ -252,4 +309,5 @@ if __name__ == "__main__":
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
+    sys.argv = boundary.experiment_spelling(sys.argv)
     main()

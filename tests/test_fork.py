@@ -3,7 +3,7 @@
 Everything runs for real — Hydra composition, train.py subprocesses with 2 gloo ranks, the
 shell commands from README's "Make it yours" in a copy of the repository — on tiny data.
 
-Presets are added with ``+experiment=<name>`` (appended after everything else, so its keys
+Presets are chosen with ``experiment=<name>`` (the last slot of the defaults list, so its keys
 win); ``debug=<option>`` is listed in conf/config.yaml after ``_self_`` and overrides the base.
 """
 
@@ -249,7 +249,7 @@ def test_every_experiment_is_listed() -> None:
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_composes_and_steps(name: str, compose_cfg: Callable[..., DictConfig]) -> None:
-    cfg = compose_cfg(f"+experiment={name}")
+    cfg = compose_cfg(f"experiment={name}")
     expected = {
         "digits_ddp": ("small_cnn", "digits", 2, "off"),
         "cifar10_resnet18": ("resnet18", "cifar10", 1, "bf16"),
@@ -264,7 +264,7 @@ def test_experiment_composes_and_steps(name: str, compose_cfg: Callable[..., Dic
     assert got == expected
     if name != "digits_ddp":  # CIFAR-10 cannot be had offline; the preset's shape can
         cfg = compose_cfg(
-            f"+experiment={name}", "data=synthetic", "data.size=8", "data.image_size=32"
+            f"experiment={name}", "data=synthetic", "data.size=8", "data.image_size=32"
         )
     assert torch.isfinite(_one_step(cfg))
 
@@ -295,11 +295,9 @@ def test_local_and_debug_override_the_base_and_presets_win(
     assert (cfg.epochs, cfg.num_workers) == (10, 3)  # local overrides config.yaml's own keys
     cfg = compose_cfg("debug=fast", conf=conf)
     assert (cfg.dist.nproc, cfg.epochs, cfg.num_workers, cfg.logger.name) == (1, 1, 0, "none")
-    cfg = compose_cfg("+experiment=digits_ddp", "debug=fast", conf=conf)
+    cfg = compose_cfg("experiment=digits_ddp", "debug=fast", conf=conf)
     assert cfg.dist.nproc == 2  # the preset is applied last: its keys win over debug's
-    assert compose_cfg("+experiment=cifar10_resnet18", conf=conf).model._target_.endswith(
-        "resnet18"
-    )
+    assert compose_cfg("experiment=cifar10_resnet18", conf=conf).model._target_.endswith("resnet18")
 
 
 def test_local_example_overrides_and_is_optional(

@@ -146,6 +146,7 @@ def test_alerts_once_and_best_checkpoint_versions(
         (["logger.log_checkpoints=every"], "logger.log_checkpoints=every is not one of false"),
         (["logger=none", "logger.log_checkpoints=last"], "needs logger=wandb and checkpoint"),
         (["logger.log_checkpoints=last", "checkpoint.enabled=false"], "checkpoint.enabled=False"),
+        (["logger.log_checkpoints=best"], "which only checkpoint.monitor keeps"),
     ],
 )
 def test_logger_settings_are_checked_at_startup(

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from ddp_template import cluster
 from ddp_template.amp import check_amp
 from ddp_template.config import Config
+from ddp_template.data.datasets import SPLIT_KEYS
 from ddp_template.data.samplers import SAMPLER_MODES
 from ddp_template.distributed import (
     LAUNCHER_VAR,
@@ -78,12 +79,19 @@ def _refuse_unknown_arguments(node: DictConfig, group: str) -> None:
         return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
+    own = SPLIT_KEYS if group == "data" else ()
     for key in node:
-        if not str(key).startswith("_") and key not in params:
+        if not str(key).startswith("_") and key not in params and key not in own:
             raise ConfigError(
                 f"{group}.{key}={node[key]} is not an argument of {group}._target_={target}; "
                 f"check its spelling against `python train.py --cfg job`, or drop it."
             )
+
+
+def experiment_spelling(argv: list[str]) -> list[str]:
+    """``+experiment=<name>`` (the older spelling) as ``experiment=<name>``: the defaults list
+    has an ``experiment: null`` slot, and Hydra refuses to append a second one."""
+    return [a[1:] if a.startswith("+experiment=") else a for a in argv]
 
 
 def plain(cfg: Config) -> dict[str, Any]:
@@ -100,6 +108,8 @@ def check(cfg: Config) -> None:
     """Every startup check, before any process group, data, model or W&B run exists."""
     _check_sizes(cfg)
     _check_sampler(cfg)
+    _check_finetune(cfg)
+    _check_transforms(cfg)
     _check_launch(cfg)
     _check_logger(cfg)
     _check_loop(cfg)
@@ -185,11 +195,10 @@ def _check_logger(cfg: Config) -> None:
         f"(here logger={lg.name}, checkpoint.enabled={cfg.checkpoint.enabled}); set both or "
         f"drop logger.log_checkpoints.",
     )
-    # Until the best checkpoint is wired in train.py (RankLogger.log_checkpoint with kind=best).
     _require(
-        lg.checkpoints != "best",
-        "logger.log_checkpoints=best needs a best checkpoint, which this build does not write "
-        "yet; use logger.log_checkpoints=last.",
+        lg.checkpoints != "best" or cfg.checkpoint.monitor is not None,
+        "logger.log_checkpoints=best needs a best checkpoint, which only checkpoint.monitor "
+        "keeps; set e.g. checkpoint.monitor=eval/accuracy, or use logger.log_checkpoints=last.",
     )
 
 
@@ -238,4 +247,85 @@ def _check_sampler(cfg: Config) -> None:
         mode.shuffles or not cfg.sampler.shuffle,
         f"sampler.shuffle=true contradicts sampler={cfg.sampler.mode} ({mode.summary}); set "
         f"sampler.shuffle=false or pick sampler=padded.",
+    )
+
+
+MONITORED = ("accuracy", "loss", "top5")  # checkpoint.monitor=<split>/<one of these>
+
+
+def _check_finetune(cfg: Config) -> None:
+    """init_from, the loss, the validation split, best.pt and early stopping."""
+    for key in ("init_from_ema", "init_from_strict"):
+        default = key == "init_from_strict"
+        _require(
+            cfg.init_from is not None or getattr(cfg, key) == default,
+            f"{key}={str(getattr(cfg, key)).lower()} only applies to init_from, which is not "
+            f"set; set "
+            f"init_from=<checkpoint> or drop {key}.",
+        )
+    _require(
+        cfg.init_from is None or cfg.resume in ("auto", "never"),
+        f"init_from={cfg.init_from} and resume={cfg.resume} both name a checkpoint; keep "
+        f"resume=<path> to continue that run, or init_from=<path> to start a new one from it.",
+    )
+    smoothing = cfg.loss.label_smoothing
+    _require(
+        0.0 <= smoothing < 1.0,
+        f"loss.label_smoothing={smoothing} must be in [0, 1); e.g. loss.label_smoothing=0.1.",
+    )
+    fraction = cfg.data.get("val_fraction", 0.0)
+    _require(
+        0.0 <= fraction < 1.0,
+        f"data.val_fraction={fraction} must be in [0, 1); e.g. data.val_fraction=0.1 (0: none).",
+    )
+    split = "val" if fraction > 0 else "eval"
+    _require(
+        cfg.eval_split != "val" or fraction > 0,
+        "eval_split=val needs a validation split; set data.val_fraction (e.g. 0.1), or "
+        "eval_split=test.",
+    )
+    monitor, patience = cfg.checkpoint.monitor, cfg.early_stop.patience
+    if monitor is not None:
+        allowed = [f"{split}/{m}" for m in MONITORED]
+        _require(
+            monitor in allowed,
+            f"checkpoint.monitor={monitor} is not a metric evaluated each epoch of this run; "
+            f"use one of {allowed} (val/* needs data.val_fraction > 0), or null.",
+        )
+        _require(
+            cfg.checkpoint.enabled or patience is not None,
+            f"checkpoint.monitor={monitor} keeps best.pt but checkpoint.enabled=false; set "
+            f"checkpoint.enabled=true, or drop checkpoint.monitor.",
+        )
+    if patience is not None:
+        _require(
+            patience >= 1,
+            f"early_stop.patience={patience} must be >= 1 (epochs without a new best); e.g. "
+            f"early_stop.patience=3, or null.",
+        )
+        _require(
+            monitor is not None,
+            f"early_stop.patience={patience} needs a metric to watch; set "
+            f"checkpoint.monitor={split}/accuracy (and checkpoint.mode=max).",
+        )
+
+
+def _check_transforms(cfg: Config) -> None:
+    t = cfg.transforms
+    _require(
+        t.padding >= 0, f"transforms.padding={t.padding} must be >= 0; e.g. transforms.padding=4."
+    )
+    _require(
+        len(t.scale) == 2 and 0.0 < t.scale[0] <= t.scale[1] <= 1.0,
+        f"transforms.scale={list(t.scale)} must be [min, max] with 0 < min <= max <= 1; e.g. "
+        f"transforms.scale=[0.08,1.0].",
+    )
+    _require(
+        (t.mean is None) == (t.std is None),
+        f"transforms.mean={t.mean} and transforms.std={t.std} normalise together; give both "
+        f"(one value per channel) or neither.",
+    )
+    _require(
+        t.std is None or all(v > 0 for v in t.std),
+        f"transforms.std={t.std} must be positive; e.g. transforms.std=[0.229,0.224,0.225].",
     )

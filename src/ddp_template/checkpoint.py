@@ -26,6 +26,7 @@ from ddp_template.config import CheckpointConfig
 from ddp_template.distributed import DistInfo, broadcast_object, gather_objects
 from ddp_template.engine import Trainer, TrainState
 from ddp_template.errors import ConfigError
+from ddp_template.models import LoadReport, load_matching
 
 log = logging.getLogger("ddp_template")
 FORMAT_VERSION = 2
@@ -47,7 +48,10 @@ def save_atomic(payload: dict[str, Any], path: Path) -> None:
         os.close(dir_fd)
 
 
-def load(path: Path) -> dict[str, Any]:
+RESUME_FIX = "pass another file with resume=<path>, or resume=never to start fresh"
+
+
+def load(path: Path, fix: str = RESUME_FIX) -> dict[str, Any]:
     """Load with ``weights_only=True``: a checkpoint file cannot run code."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
@@ -55,12 +59,12 @@ def load(path: Path) -> dict[str, Any]:
         raise ConfigError(
             f"checkpoint {path} cannot be read ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:100]}); it is damaged or not a checkpoint of this "
-            f"template: pass another file with resume=<path>, or resume=never to start fresh."
+            f"template: {fix}."
         ) from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
         raise ConfigError(
             f"checkpoint {path} is not a format-{FORMAT_VERSION} checkpoint of this template; "
-            f"pass another file with resume=<path>, or resume=never to start fresh."
+            f"{fix}."
         )
     return payload
 
@@ -103,6 +107,13 @@ class Found(NamedTuple):
     payload: dict[str, Any]
 
 
+class Saved(NamedTuple):
+    """What one ``Checkpointer.save`` wrote (on rank 0; the same answer on every rank)."""
+
+    last: Path | None
+    best: Path | None  # best.pt, when this save was a new best of checkpoint.monitor
+
+
 def _epoch_number(path: Path) -> int:
     m = re.fullmatch(r"epoch_(\d+)\.pt", path.name)
     return int(m.group(1)) if m else -1
@@ -118,6 +129,8 @@ class Checkpointer:
     trainer: Trainer
     config_yaml: str  # the resolved config, stored for the record
     info: DistInfo
+    best_value: float | None = None  # of checkpoint.monitor, over the run's epochs so far
+    best_epoch: int | None = None
 
     def payload(self, state: TrainState) -> dict[str, Any]:
         tr = self.trainer
@@ -137,26 +150,64 @@ class Checkpointer:
             "rng": [r["rng"] for r in ranks],
             "world_size": self.info.world_size,
             "config": self.config_yaml,
+            "best": self.best_record(),
         }
+
+    def best_record(self) -> dict[str, Any] | None:
+        if self.cfg.monitor is None:
+            return None
+        return {"monitor": self.cfg.monitor, "value": self.best_value, "epoch": self.best_epoch}
+
+    def restore_best(self, payload: dict[str, Any]) -> None:
+        """Resume the best-so-far of a checkpoint that monitored the same metric."""
+        record = payload.get("best")
+        if record is not None and record["monitor"] == self.cfg.monitor:
+            self.best_value, self.best_epoch = record["value"], record["epoch"]
+
+    def improves(self, metrics: dict[str, float], epoch: int) -> bool:
+        """Record ``metrics[checkpoint.monitor]`` of ``epoch``; True when it is a new best.
+        Every rank holds the same all-reduced metrics, so every rank decides alike."""
+        if self.cfg.monitor is None:
+            return False
+        if self.cfg.monitor not in metrics:
+            raise ConfigError(
+                f"checkpoint.monitor={self.cfg.monitor} is not logged by this run (it logs "
+                f"{sorted(metrics)}); monitor one of those."
+            )
+        value = float(metrics[self.cfg.monitor])
+        best = self.best_value
+        better = best is None or (value > best if self.cfg.mode == "max" else value < best)
+        if better:
+            self.best_value, self.best_epoch = value, epoch
+        return better
+
+    def stale_epochs(self, epoch: int) -> int:
+        """Epochs up to ``epoch`` since the best one (0 while none is recorded)."""
+        return 0 if self.best_epoch is None else epoch - self.best_epoch
 
     @property
     def last(self) -> Path | None:
         """The newest checkpoint's path (None with checkpoint.enabled=false)."""
         return self.directory / "last.pt" if self.cfg.enabled else None
 
-    def save(self, state: TrainState, epoch_end: bool = False) -> Path | None:
+    def save(self, state: TrainState, epoch_end: bool = False, best: bool = False) -> Saved:
+        """last.pt (and epoch_<k>.pt at epoch ends); with ``best`` also best.pt, the same
+        payload, written atomically as well."""
         path = self.last
         if path is None:
-            return None
+            return Saved(None, None)
+        best_path = self.directory / "best.pt" if best else None
         payload = self.payload(state)
         if self.info.is_main:
             save_atomic(payload, path)
             if epoch_end and self.cfg.keep > 0:
                 save_atomic(payload, self.directory / f"epoch_{state.epoch}.pt")
                 self._prune()
+            if best_path is not None:
+                save_atomic(payload, best_path)
         if self.info.distributed:
             dist.barrier()  # nobody runs ahead (or exits) before the file is in place
-        return path
+        return Saved(path, best_path)
 
     def due(self, step: int) -> bool:
         every = self.cfg.every_steps
@@ -259,3 +310,31 @@ def resume_rank0(resume: str, directory: Path, info: DistInfo) -> Found | None:
     if found is not None:
         return found
     return Found(Path(chosen), load(Path(chosen)))
+
+
+def init_weights(path_str: str, module: torch.nn.Module, *, ema: bool, strict: bool) -> LoadReport:
+    """``init_from``: a checkpoint's model (or EMA) weights into a fresh run's model.
+
+    Only the weights are read, so the checkpoint's world size, sampler mode, optimizer and step
+    do not matter. Every rank reads the same file; tensors whose shape differs (a head for
+    another number of classes) keep the model's fresh, seeded initialisation.
+    """
+    path = Path(path_str).expanduser()
+    if not path.is_file():
+        raise ConfigError(
+            f"init_from={path_str} is not a file; give a checkpoint's path, e.g. "
+            f"outputs/<run id>/checkpoints/last.pt or best.pt."
+        )
+    payload = load(path, fix="pass another checkpoint with init_from=<path>")
+    if ema:
+        if not isinstance(payload.get("ema"), dict) or "model" not in payload["ema"]:
+            raise ConfigError(
+                f"init_from_ema=true but checkpoint {path} holds no EMA weights (it was written "
+                f"without EMA); set init_from_ema=false to take its model weights."
+            )
+        state = payload["ema"]["model"]
+    else:
+        state = payload["model"]
+    source = f"init_from={path_str}" + (" (EMA)" if ema else "")
+    fix = ", or set init_from_strict=false to load only the keys both have"
+    return load_matching(module, state, strict=strict, source=source, fix=fix)

@@ -92,6 +92,23 @@ class SystemMetrics(Choice):
     off = "off"
 
 
+class TransformName(Choice):
+    none = "none"
+    cifar = "cifar"
+    imagenet = "imagenet"
+
+
+class EvalSplit(Choice):
+    test = "test"
+    val = "val"
+    train = "train"
+
+
+class MonitorMode(Choice):
+    max = "max"
+    min = "min"
+
+
 class StartMethod(Choice):
     spawn = "spawn"
     forkserver = "forkserver"
@@ -146,17 +163,26 @@ class TorchvisionModelConfig:
     _target_: str = "ddp_template.models.torchvision_model"
     name: str = "mobilenet_v3_small"
     min_image_size: int = 32
+    weights: str | None = None  # DEFAULT or a weights enum name, e.g. IMAGENET1K_V1 (downloads)
+    weights_path: str | None = None  # a local .pth state_dict instead of a download
 
 
 @dataclass
-class DigitsConfig:
+class DataSplitConfig:
+    """Keys of every built-in data option that the data builder applies itself."""
+
+    val_fraction: float = 0.0  # carve this fraction of the training data as a validation split
+
+
+@dataclass
+class DigitsConfig(DataSplitConfig):
     _target_: str = "ddp_template.data.datasets.digits"
     test_fraction: float = 0.2
     split_seed: int = 0
 
 
 @dataclass
-class SyntheticConfig:
+class SyntheticConfig(DataSplitConfig):
     _target_: str = "ddp_template.data.datasets.synthetic"
     size: int = 4096
     eval_size: int = 1024
@@ -168,24 +194,46 @@ class SyntheticConfig:
 
 
 @dataclass
-class TorchvisionDataConfig:
+class TorchvisionDataConfig(DataSplitConfig):
     _target_: str = MISSING
     root: str = "${paths.data_root}"
     download: bool = True
 
 
 @dataclass
-class ImageFolderConfig:
+class ImageFolderConfig(DataSplitConfig):
     _target_: str = "ddp_template.data.datasets.imagefolder"
     path: str = MISSING  # holds train/ and val/ class folders
     image_size: int = 64
 
 
 @dataclass
-class ArrayConfig:
+class ArrayConfig(DataSplitConfig):
     _target_: str = "ddp_template.data.array.array_dataset"
     path: str = MISSING  # .npz with x_train/y_train/x_test/y_test, or a folder of train/test .csv
     image_shape: list[int] | None = None
+
+
+@dataclass
+class TransformsConfig:
+    """Training-time augmentation (training split only), torchvision transforms v2."""
+
+    name: TransformName = TransformName.none
+    padding: int = 4  # cifar: random crop after padding each side by this many pixels
+    scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # imagenet: crop area range
+    # Normalise both splits with these (null: the data builder's own normalisation, if any).
+    mean: list[float] | None = None
+    std: list[float] | None = None
+
+
+@dataclass
+class LossConfig:
+    label_smoothing: float = 0.0  # training loss only; eval/loss is the plain cross-entropy
+
+
+@dataclass
+class EarlyStopConfig:
+    patience: int | None = None  # stop after this many epochs without a new best (monitor)
 
 
 @dataclass
@@ -239,6 +287,10 @@ class CheckpointConfig:
     # Steps between the (asynchronous) all-reduces that let all ranks agree on a preemption
     # signal: a signal stops the run within 2x this many steps, or at the epoch end.
     preempt_check_every: int = 10
+    # Keep best.pt beside last.pt: the epoch whose eval/<metric> was best (eval/accuracy,
+    # eval/loss, eval/top5), by mode (max or min). null: no best.pt.
+    monitor: str | None = None
+    mode: MonitorMode = MonitorMode.max
 
 
 @dataclass
@@ -320,6 +372,17 @@ class Config:
     channels_last: bool = False  # conv models: weights and input batches in NHWC
     pin_memory: bool = True  # page-locked batches for the host-to-GPU copy (CUDA ranks)
     persistent_workers: bool = True  # loader workers live across epochs (num_workers > 0)
+    # Start a fresh run from a checkpoint's weights (any world size; resume wins if this run
+    # already has a checkpoint of its own). Shapes that differ (a new head) start fresh.
+    init_from: str | None = None
+    init_from_ema: bool = False  # take the checkpoint's EMA weights instead
+    init_from_strict: bool = True  # refuse missing/unexpected keys
+    # The split of the final evaluation (summary.json): test, val (data.val_fraction > 0) or
+    # train (without augmentation). With epochs=0 and init_from: evaluate a checkpoint on it.
+    eval_split: EvalSplit = EvalSplit.test
+    loss: LossConfig = field(default_factory=LossConfig)
+    transforms: TransformsConfig = field(default_factory=TransformsConfig)
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
 
 def register_configs() -> None:
@@ -333,6 +396,7 @@ def register_configs() -> None:
         "amp": {"amp_schema": AmpConfig},
         "optim": {"optim_schema": OptimConfig},
         "logger": {"logger_schema": LoggerConfig},
+        "transforms": {"transforms_schema": TransformsConfig},
         "model": {
             "small_cnn_schema": SmallCNNConfig,
             "resnet18_schema": ResNet18Config,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -52,6 +52,7 @@ class Trainer:
     schedule: StepSchedule | None = None  # which micro-batches make each optimizer step
     ema: Any = None  # an ema.EMA, updated after every optimizer step, or None
     keep_indices: bool = False
+    label_smoothing: float = 0.0
 
     @property
     def ddp(self) -> DDP | None:
@@ -108,7 +109,7 @@ def _forward_backward(
     """One micro-batch; its gradients are all-reduced only with ``sync`` (DDP)."""
     with _no_sync(tr, sync):  # the forward and the backward both inside no_sync
         with autocast(tr.amp_mode, tr.info.device):
-            loss = F.cross_entropy(tr.model(x), y)
+            loss = F.cross_entropy(tr.model(x), y, label_smoothing=tr.label_smoothing)
         tr.scaler.scale(loss if weight == 1.0 else loss * weight).backward()
     return loss.detach()
 
@@ -204,11 +205,20 @@ def train_one_epoch(
     return stats
 
 
+TOP_K = 5  # eval/top5, for data with at least this many classes
+
+
 @dataclass
 class EvalResult:
+    """Exact counts over the whole split (summed over ranks, never averaged ratios)."""
+
     correct: int
     count: int
     loss_sum: float
+    top5_correct: int | None = None  # None with fewer than TOP_K classes
+    class_correct: list[int] = field(default_factory=list)
+    class_count: list[int] = field(default_factory=list)
+    split: str = "test"  # which split summary.json's eval_* keys describe (eval_split)
 
     @property
     def accuracy(self) -> float:
@@ -217,6 +227,46 @@ class EvalResult:
     @property
     def loss(self) -> float:
         return self.loss_sum / self.count if self.count else float("nan")
+
+    @property
+    def top5(self) -> float | None:
+        if self.top5_correct is None:
+            return None
+        return self.top5_correct / self.count if self.count else 0.0
+
+    @property
+    def class_accuracy(self) -> list[float | None]:
+        return [
+            c / n if n else None for c, n in zip(self.class_correct, self.class_count, strict=True)
+        ]
+
+    def metrics(self, prefix: str = "eval") -> dict[str, float]:
+        """The per-epoch keys: <prefix>/accuracy, /loss, /correct and /top5 (>= 5 classes)."""
+        out = {
+            f"{prefix}/accuracy": self.accuracy,
+            f"{prefix}/loss": self.loss,
+            f"{prefix}/correct": self.correct,
+        }
+        if self.top5 is not None:
+            out[f"{prefix}/top5"] = self.top5
+        return out
+
+    def summary(self, prefix: str = "eval") -> dict[str, Any]:
+        """summary.json's keys for this split."""
+        out = {
+            f"{prefix}_split": self.split,
+            f"{prefix}_accuracy": self.accuracy,
+            f"{prefix}_correct": self.correct,
+            f"{prefix}_count": self.count,
+            f"{prefix}_loss": self.loss,
+            f"{prefix}_per_class_correct": self.class_correct,
+            f"{prefix}_per_class_count": self.class_count,
+            f"{prefix}_per_class_accuracy": self.class_accuracy,
+        }
+        if self.top5 is not None:
+            out[f"{prefix}_top5"] = self.top5
+            out[f"{prefix}_top5_correct"] = self.top5_correct
+        return out
 
 
 def sync_buffers(module: nn.Module, info: DistInfo) -> None:
@@ -232,23 +282,42 @@ def sync_buffers(module: nn.Module, info: DistInfo) -> None:
 
 
 @torch.no_grad()
-def evaluate(module: nn.Module, loader: Any, info: DistInfo, amp_mode: str) -> EvalResult:
+def evaluate(
+    module: nn.Module, loader: Any, info: DistInfo, amp_mode: str, *, num_classes: int
+) -> EvalResult:
     """Exact evaluation: unpadded shards, sums all-reduced.
 
     ``module`` is the unwrapped model: a DDP forward may run collectives (buffer broadcast,
     SyncBN), and ranks with different (or empty) shards would then deadlock or mismatch.
+    ``num_classes`` sizes the per-class counts, which a rank with an empty shard cannot infer.
     """
     sync_buffers(module, info)
     was_training = module.training
     module.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=info.device)
+    c = num_classes
+    # correct, count, loss, top-k correct, then per class: correct (c values), count (c values)
+    sums = torch.zeros(4 + 2 * c, dtype=torch.float64, device=info.device)
     for x, y, _ in loader:
         x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
         with autocast(amp_mode, info.device):
             logits = module(x)
-        sums[0] += (logits.argmax(dim=1) == y).sum()
+        hit = logits.argmax(dim=1) == y
+        sums[0] += hit.sum()
         sums[1] += len(y)
         sums[2] += F.cross_entropy(logits.float(), y, reduction="sum").double()
+        if c >= TOP_K:
+            top = logits.topk(TOP_K, dim=1).indices
+            sums[3] += (top == y[:, None]).any(dim=1).sum()
+        sums[4 : 4 + c] += torch.bincount(y[hit], minlength=c)[:c].double()
+        sums[4 + c :] += torch.bincount(y, minlength=c)[:c].double()
     all_reduce_sum(sums, info)
     module.train(was_training)
-    return EvalResult(int(sums[0].item()), int(sums[1].item()), float(sums[2].item()))
+    n = [int(v) for v in sums.tolist()]
+    return EvalResult(
+        correct=n[0],
+        count=n[1],
+        loss_sum=float(sums[2].item()),
+        top5_correct=n[3] if c >= TOP_K else None,
+        class_correct=n[4 : 4 + c],
+        class_count=n[4 + c :],
+    )

@@ -148,6 +148,7 @@ class RankLogger:
                 {
                     "data/train_size": len(splits.train),
                     "data/eval_size": len(splits.eval),
+                    "data/val_size": len(splits.val) if splits.val is not None else 0,
                     "data/world_size": self.info.world_size,
                 },
                 step,
@@ -211,12 +212,10 @@ class RankLogger:
         path = write_summary(
             self.run.run_dir,
             {
-                "eval_accuracy": result.accuracy,
-                "eval_correct": result.correct,
-                "eval_count": result.count,
-                "eval_loss": result.loss,
+                **result.summary(),
                 "train_size": len(splits.train),
                 "eval_size": len(splits.eval),
+                "val_size": len(splits.val) if splits.val is not None else 0,
                 "world_size": self.info.world_size,
                 "steps": steps,
                 "run_id": self.run.run_id,
@@ -231,10 +230,12 @@ class RankLogger:
         )
         log.info("summary: %s", path)
 
-    def log_eval(self, result: Any, epoch: int, step: int) -> None:
-        metrics = {"eval/accuracy": result.accuracy, "eval/loss": result.loss}
-        self.log({**metrics, "eval/correct": result.correct, "epoch": epoch}, step)
-        log.info("epoch %d: eval accuracy %.4f, loss %.4f", epoch, result.accuracy, result.loss)
+    def log_eval(self, result: Any, epoch: int, step: int, split: str = "eval") -> None:
+        """``<split>/accuracy``, ``/loss``, ``/correct`` and ``/top5`` (>= 5 classes)."""
+        self.log({**result.metrics(split), "epoch": epoch}, step)
+        log.info(
+            "epoch %d: %s accuracy %.4f, loss %.4f", epoch, split, result.accuracy, result.loss
+        )
 
     def log_shard_report(self, report: dict[str, Any], epoch: int, step: int) -> None:
         """Rank 0: the verdict, coverage and step-time spread as keys, a table and a console

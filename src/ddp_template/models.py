@@ -8,9 +8,11 @@ logits ``(B, num_classes)``. The template passes those three from the data's ``D
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -103,9 +105,18 @@ class _Adapter(nn.Module):
 
 
 def torchvision_model(
-    num_classes: int, in_channels: int, image_size: int, name: str, min_image_size: int = 32
+    num_classes: int,
+    in_channels: int,
+    image_size: int,
+    name: str,
+    min_image_size: int = 32,
+    weights: str | None = None,
+    weights_path: str | None = None,
 ) -> nn.Module:
-    """Any torchvision classification model by name, randomly initialised."""
+    """Any torchvision classification model by name: randomly initialised, or from pretrained
+    ``weights`` (an enum name of the model's weights, or DEFAULT; downloaded) or a local
+    ``weights_path``. A classifier whose shape differs (another number of classes) starts fresh.
+    """
     import torchvision
 
     available = torchvision.models.list_models(module=torchvision.models)
@@ -115,8 +126,102 @@ def torchvision_model(
             f"torchvision.models.list_models(), e.g. resnet18, mobilenet_v3_small, efficientnet_b0."
         )
     net = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    if weights is not None and weights_path is not None:
+        raise ConfigError(
+            f"model.weights={weights} and model.weights_path={weights_path} both name weights; "
+            f"keep one of them."
+        )
+    if weights is not None:
+        load_matching(
+            net, _hub_weights(name, weights), strict=True, source=f"model.weights={weights}"
+        )
+    if weights_path is not None:
+        state = _local_weights(weights_path)
+        load_matching(net, state, strict=True, source=f"model.weights_path={weights_path}")
     adapter = _Adapter(in_channels, image_size, min_image_size)
     return nn.Sequential(adapter, net)
+
+
+def _hub_weights(name: str, weights: str) -> dict[str, torch.Tensor]:
+    import torchvision
+
+    enum = torchvision.models.get_model_weights(name)
+    names = ["DEFAULT", *enum.__members__]
+    if weights not in names:
+        raise ConfigError(
+            f"model.weights={weights} is not a weights name of {name}; use one of {names}, or "
+            f"model.weights_path=<local .pth>."
+        )
+    chosen = enum[weights] if weights != "DEFAULT" else enum.DEFAULT
+    try:
+        return chosen.get_state_dict(progress=False)
+    except Exception as exc:  # URLError, HTTPError, OSError... without network
+        raise ConfigError(
+            f"model.weights={weights} could not be downloaded from {chosen.url} "
+            f"({type(exc).__name__}); download that file elsewhere and pass it as "
+            f"model.weights_path=<local .pth> (with model.weights=null)."
+        ) from None
+
+
+def _local_weights(weights_path: str) -> dict[str, torch.Tensor]:
+    path = Path(weights_path).expanduser()
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ConfigError(
+            f"model.weights_path={weights_path} cannot be read as a state_dict "
+            f"({type(exc).__name__}); pass a .pth saved with torch.save(model.state_dict(), path)."
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(
+            f"model.weights_path={weights_path} holds no state_dict of tensors; pass a .pth "
+            f"saved with torch.save(model.state_dict(), path)."
+        )
+    return state
+
+
+class LoadReport(NamedTuple):
+    loaded: list[str]
+    reinitialised: list[str]  # in both, shapes differ: kept the fresh initialisation
+    missing: list[str]  # the model's, not in the weights
+    unexpected: list[str]  # the weights', not in the model
+
+
+def _names(keys: list[str]) -> str:
+    more = f" and {len(keys) - 4} more" if len(keys) > 4 else ""
+    return f"{keys[:4]}{more}"
+
+
+def load_matching(
+    module: nn.Module, state: dict[str, torch.Tensor], *, strict: bool, source: str, fix: str = ""
+) -> LoadReport:
+    """Load ``state`` into ``module`` by name. The rule for another number of classes (or any
+    tensor whose shape differs): the model keeps its fresh, seeded initialisation for it.
+    ``strict``: keys on one side only are refused; otherwise they are skipped and reported."""
+    own = module.state_dict()
+    reinit = [k for k in state if k in own and own[k].shape != state[k].shape]
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    if strict and (missing or unexpected):
+        raise ConfigError(
+            f"{source} does not fit the model (missing keys {_names(missing)}, unexpected keys "
+            f"{_names(unexpected)}); build the model these weights came from{fix}."
+        )
+    loaded = [k for k in state if k in own and k not in reinit]
+    module.load_state_dict({k: state[k] for k in loaded}, strict=False)
+    return LoadReport(loaded, reinit, missing, unexpected)
+
+
+def describe_load(report: LoadReport) -> str:
+    """One log line: what was loaded, what starts fresh, what was skipped."""
+    parts = [f"{len(report.loaded)} tensors loaded"]
+    if report.reinitialised:
+        parts.append(f"re-initialised (shape differs) {_names(report.reinitialised)}")
+    if report.missing:
+        parts.append(f"missing (kept fresh) {_names(report.missing)}")
+    if report.unexpected:
+        parts.append(f"unexpected (skipped) {_names(report.unexpected)}")
+    return "; ".join(parts)
 
 
 def build_model(model_cfg: Any, info: DataInfo) -> nn.Module:
@@ -133,6 +238,26 @@ def build_model(model_cfg: Any, info: DataInfo) -> nn.Module:
             f"model factory must return a torch.nn.Module."
         )
     return model
+
+
+def check_batch_statistics(model: nn.Module, info: DataInfo, last_batch: int) -> None:
+    """Refuse, before training, a per-rank last batch of one sample that a layer normalising
+    with batch statistics cannot train on (BatchNorm with one value per channel): probed with
+    one zero sample on a copy of the model."""
+    if last_batch != 1:
+        return
+    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return
+    probe = copy.deepcopy(model).train()
+    try:
+        probe(torch.zeros(1, info.in_channels, info.image_size, info.image_size))
+    except ValueError as exc:  # "Expected more than 1 value per channel when training"
+        raise ConfigError(
+            f"each rank's last training batch holds one sample, which the model's BatchNorm "
+            f"cannot normalise ({str(exc).splitlines()[0][:80]}); set "
+            f"sampler.drop_last_batch=true, pick another batch_size, or use a norm layer "
+            f"without batch statistics."
+        ) from None
 
 
 def convert_syncbn(model: nn.Module, device: torch.device) -> nn.Module:

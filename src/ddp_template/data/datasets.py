@@ -36,6 +36,22 @@ class Splits:
     train: Dataset
     eval: Dataset
     info: DataInfo
+    val: Dataset | None = None  # carved from the training data with data.val_fraction
+
+    def split(self, name: str) -> Dataset:
+        """The split named ``test``, ``val`` or ``train`` (the latter without augmentation)."""
+        if name == "val" and self.val is not None:
+            return self.val
+        if name == "train":
+            return getattr(self.train, "for_eval", self.train)
+        if name == "test":
+            return self.eval
+        raise ValueError(f"no split {name}")
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell the training data the epoch (its augmentation depends on it)."""
+        if hasattr(self.train, "set_epoch"):
+            self.train.set_epoch(epoch)
 
 
 class IndexedTensors(Dataset):
@@ -51,6 +67,21 @@ class IndexedTensors(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:
         return self.x[i], int(self.y[i]), i
+
+
+class IndexedSubset(Dataset):
+    """Items ``indices[j]`` of an ``(x, y, index)`` dataset, renumbered: item ``j`` is
+    ``(x, y, j)``."""
+
+    def __init__(self, base: Dataset, indices: np.ndarray) -> None:
+        self.base, self.indices = base, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, j: int) -> tuple[Any, int, int]:
+        x, y, _ = self.base[int(self.indices[j])]
+        return x, y, j
 
 
 class WithIndex(Dataset):
@@ -202,7 +233,7 @@ def mnist(root: str = "data", download: bool = True) -> Splits:
 
 def imagefolder(path: str, image_size: int = 64) -> Splits:
     """Class-per-folder images: ``<path>/train/<class>/*.png`` and ``<path>/val/<class>/*``."""
-    from torchvision import datasets, transforms
+    from torchvision import transforms
 
     root = Path(path).expanduser()
     for split in ("train", "val"):
@@ -214,21 +245,54 @@ def imagefolder(path: str, image_size: int = 64) -> Splits:
     tf = transforms.Compose(
         [transforms.Resize(image_size), transforms.CenterCrop(image_size), transforms.ToTensor()]
     )
-    train = datasets.ImageFolder(root / "train", transform=tf)
-    val = datasets.ImageFolder(root / "val", transform=tf)
+    train, val = (_image_folder(root / split, tf, path) for split in ("train", "val"))
     if train.classes != val.classes:
         raise ConfigError(
             f"data.path={path}: train/ classes {train.classes} differ from val/ classes "
             f"{val.classes}; give both splits the same class folders."
         )
-    channels = 1 if train[0][0].shape[0] == 1 else 3
+    channels = _first_image(train, path).shape[0]
+    _first_image(val, path)
     info = DataInfo(num_classes=len(train.classes), in_channels=channels, image_size=image_size)
     return Splits(WithIndex(train), WithIndex(val), info)
 
 
+def _image_folder(folder: Path, tf: Any, path: str) -> Any:
+    from torchvision import datasets
+
+    try:
+        return datasets.ImageFolder(folder, transform=tf)
+    except (FileNotFoundError, OSError) as exc:  # no class folders, or none holding an image
+        raise ConfigError(
+            f"data.path={path}: {folder.name}/ holds no class folder with images "
+            f"({str(exc).splitlines()[0][:120]}); put each class's images in "
+            f"{folder.name}/<class>/ (.png, .jpg, ...)."
+        ) from None
+
+
+def _first_image(folder: Any, path: str) -> torch.Tensor:
+    """Open one image of a split now: an unreadable file fails here, not mid-epoch."""
+    file = folder.samples[0][0]
+    try:
+        return folder[0][0]
+    except Exception as exc:  # PIL raises UnidentifiedImageError, OSError, ...
+        raise ConfigError(
+            f"data.path={path}: {file} cannot be read as an image ({type(exc).__name__}); "
+            f"replace or remove the file."
+        ) from None
+
+
+SPLIT_KEYS = ("val_fraction",)  # data keys build_splits applies itself (not the factory's)
+
+
 def build_splits(data_cfg: Any) -> Splits:
-    """Instantiate the ``data`` group's factory and check it kept the contract."""
-    splits = instantiate_clean(data_cfg)
+    """Instantiate the ``data`` group's factory, check it kept the contract and carve the
+    validation split (``data.val_fraction``)."""
+    from omegaconf import OmegaConf
+
+    resolved = OmegaConf.to_container(data_cfg, resolve=True)
+    val_fraction = float(resolved.pop("val_fraction", 0.0))
+    splits = instantiate_clean(OmegaConf.create(resolved))
     if not isinstance(splits, Splits):
         raise ConfigError(
             f"data._target_={data_cfg.get('_target_')} returned {type(splits).__name__}; a data "
@@ -236,4 +300,26 @@ def build_splits(data_cfg: Any) -> Splits:
         )
     if len(splits.train) == 0:
         raise ConfigError("the training set is empty; check data.path / data.size.")
+    if val_fraction > 0:
+        splits = carve_val(splits, val_fraction)
     return splits
+
+
+def carve_val(splits: Splits, fraction: float) -> Splits:
+    """The first ``round(N * fraction)`` of a permutation seeded with 0 (not the run's seed, so
+    a seed sweep validates on one set) become the validation split, the rest train."""
+    n = len(splits.train)
+    n_val = round(n * fraction)
+    if not 1 <= n_val < n:
+        raise ConfigError(
+            f"data.val_fraction={fraction} leaves {n_val} of {n} training samples for validation "
+            f"and {n - n_val} for training; pick a fraction that leaves both non-empty."
+        )
+    order = np.random.default_rng(0).permutation(n)
+    val, train = np.sort(order[:n_val]), np.sort(order[n_val:])
+    return Splits(
+        IndexedSubset(splits.train, train),
+        splits.eval,
+        splits.info,
+        IndexedSubset(splits.train, val),
+    )
