@@ -13,9 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import free_port, step_trainer
-from omegaconf import OmegaConf
 
-from ddp_template.config import DDPConfig, EmaConfig
+from ddp_template.config import Config, DDPConfig, EmaConfig
 from ddp_template.data.datasets import synthetic
 from ddp_template.data.loader import build_eval_loader
 from ddp_template.distributed import DistInfo
@@ -24,7 +23,7 @@ from ddp_template.engine import _step, evaluate
 from ddp_template.models import small_cnn
 from ddp_template.parallel import build_ddp
 
-EVAL = OmegaConf.create({"eval_batch_size": 7, "num_workers": 0})  # 40 samples: ragged shards
+EVAL = Config(eval_batch_size=7, num_workers=0)  # 40 samples: ragged shards
 
 
 def make_model() -> torch.nn.Module:
@@ -92,7 +91,7 @@ def worker(rank: int, world: int, port: int, ema_state: dict, out: str) -> None:
         fixed = build_ema(EmaConfig(decay=0.9), make_model(), info)
         fixed.load_state_dict(ema_state)
         loader = build_eval_loader(eval_set(), EVAL, info)
-        mine["eval"] = evaluate(fixed.module, loader, info, "off")
+        mine["eval"] = evaluate(fixed.module, loader, info, "off", num_classes=10)
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine)
         if rank == 0:
@@ -113,7 +112,9 @@ def test_ema_identical_on_every_rank_and_exact_eval_at_1_2_3_ranks(
     single = build_ema(EmaConfig(decay=0.9), make_model(), rank_info(0, 1))
     single.load_state_dict(ema_state)
     alone = rank_info(0, 1)
-    one = evaluate(single.module, build_eval_loader(eval_set(), EVAL, alone), alone, "off")
+    one = evaluate(
+        single.module, build_eval_loader(eval_set(), EVAL, alone), alone, "off", num_classes=10
+    )
     data = eval_set()
     x, y, _ = zip(*(data[i] for i in range(len(data))), strict=True)
     logits = single.module.eval()(torch.stack(x))
