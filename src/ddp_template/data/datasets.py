@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from ddp_template.errors import ConfigError, instantiate_clean
 
@@ -54,8 +54,21 @@ class Splits:
             self.train.set_epoch(epoch)
 
 
+class Batch(tuple):
+    """``(x, y, index)`` of a whole batch, fetched at once by a dataset's ``__getitems__``:
+    :func:`collate` passes it through as it is."""
+
+
+def collate(samples: Any) -> Any:
+    """The loaders' collate: a :class:`Batch` as it is, a list of samples by torch's default."""
+    return samples if isinstance(samples, Batch) else default_collate(samples)
+
+
 class IndexedTensors(Dataset):
-    """In-memory inputs and labels; item ``i`` is ``(x[i], y[i], i)``."""
+    """In-memory inputs and labels; item ``i`` is ``(x[i], y[i], i)``.
+
+    A DataLoader fetches a whole batch with ``__getitems__``: one gather per tensor instead of
+    one ``__getitem__`` per sample and a collate, with the same values as that path."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         if len(x) != len(y):
@@ -67,6 +80,10 @@ class IndexedTensors(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:
         return self.x[i], int(self.y[i]), i
+
+    def __getitems__(self, indices: list[int]) -> Batch:
+        index = torch.as_tensor(indices, dtype=torch.int64)
+        return Batch((self.x[index], self.y[index].to(torch.int64), index))
 
 
 class IndexedSubset(Dataset):
@@ -82,6 +99,12 @@ class IndexedSubset(Dataset):
     def __getitem__(self, j: int) -> tuple[Any, int, int]:
         x, y, _ = self.base[int(self.indices[j])]
         return x, y, j
+
+    def __getitems__(self, js: list[int]) -> Any:
+        if not hasattr(self.base, "__getitems__"):
+            return [self[j] for j in js]
+        x, y, _ = self.base.__getitems__([int(self.indices[j]) for j in js])
+        return Batch((x, y, torch.as_tensor(js, dtype=torch.int64)))
 
 
 class WithIndex(Dataset):

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_template.config import Config, SamplerConfig
+from ddp_template.data.datasets import collate
 from ddp_template.data.eval_sampler import EvalShardSampler
 from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
 from ddp_template.distributed import DistInfo
@@ -92,7 +93,11 @@ def _worker_start_method() -> str:
 
 def _loader_kwargs(cfg: Config, device: torch.device) -> dict[str, Any]:
     pin = cfg.pin_memory and device.type == "cuda"
-    kwargs: dict[str, Any] = {"num_workers": cfg.num_workers, "pin_memory": pin}
+    kwargs: dict[str, Any] = {
+        "num_workers": cfg.num_workers,
+        "pin_memory": pin,
+        "collate_fn": collate,
+    }
     if cfg.num_workers > 0:
         kwargs.update(
             worker_init_fn=functools.partial(init_worker, rank_pid=os.getpid()),
