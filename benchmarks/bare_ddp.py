@@ -8,6 +8,10 @@ step, SGD lr 0.1, momentum 0.9, Nesterov, weight decay 5e-4 on weights only (not
 norm parameters, like the template), a per-step cosine schedule, 10 epochs, gloo on CPU. No Hydra,
 no logging, no evaluation, no checkpoints, no data accounting.
 
+``--model resnet18 --data synthetic --batch-size 64`` is the realistic step of
+``benchmarks/overhead.py --suite realistic``: the template's ResNet-18 (CIFAR stem) on its
+generated 3x32x32 data (``--size`` training samples), everything else as above.
+
 Each rank prints one JSON line (and writes it to ``--out``, ``{rank}`` replaced by the rank):
 seconds from process start to the end of the first optimizer step, per-epoch wall time and
 samples/s of the training loop (timed like the template's ``perf/samples_per_s``: from creating
@@ -40,8 +44,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
-from ddp_template.data.datasets import digits  # noqa: E402
-from ddp_template.models import small_cnn  # noqa: E402
+from ddp_template.data.datasets import digits, synthetic  # noqa: E402
+from ddp_template.models import resnet18, small_cnn  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,6 +55,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", choices=["small_cnn", "resnet18"], default="small_cnn")
+    p.add_argument("--data", choices=["digits", "synthetic"], default="digits")
+    p.add_argument("--size", type=int, default=4096, help="training samples of --data synthetic")
     p.add_argument("--out", help="JSON file per rank; {rank} is replaced by the rank")
     return p.parse_args()
 
@@ -60,12 +67,16 @@ def main() -> None:
     dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR/PORT from torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    train = digits().train
+    splits = digits() if args.data == "digits" else synthetic(size=args.size, eval_size=1)
+    train, info = splits.train, splits.info
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler)
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
-    model = small_cnn(num_classes=10, in_channels=1, image_size=8)
+    factory = small_cnn if args.model == "small_cnn" else resnet18
+    model = factory(
+        num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size
+    )
     ddp = DDP(model)
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]

@@ -1,5 +1,6 @@
-"""In-memory datasets hand the DataLoader a whole batch (``__getitems__``): the same tensors,
-dtypes and indices as one ``__getitem__`` per sample and torch's default collate."""
+"""The template's loaders fetch a whole batch from in-memory datasets (``BatchFetch`` →
+``get_batch``): the same tensors, dtypes and indices as one ``__getitem__`` per sample and
+torch's default collate; the datasets themselves keep torch's plain protocol."""
 
 from __future__ import annotations
 
@@ -8,23 +9,17 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from ddp_template.data.datasets import Batch, IndexedSubset, IndexedTensors, collate, synthetic
+from ddp_template.data.datasets import (
+    Batch,
+    BatchFetch,
+    IndexedSubset,
+    IndexedTensors,
+    collate,
+    synthetic,
+)
 
 
-class OneByOne(Dataset):
-    """The same dataset without ``__getitems__``: the path every user dataset takes."""
-
-    def __init__(self, base: Dataset) -> None:
-        self.base = base
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, i: int):
-        return self.base[i]
-
-
-def _batches(dataset: Dataset, collate_fn) -> list:
+def _batches(dataset: Dataset, collate_fn=None) -> list:
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(3)).tolist()
     return list(DataLoader(dataset, batch_size=7, sampler=order, collate_fn=collate_fn))
 
@@ -43,15 +38,17 @@ def test_batched_fetch_equals_one_by_one(label_dtype: torch.dtype) -> None:
     tensors = IndexedTensors(x, y)
     subset = IndexedSubset(tensors, np.arange(40)[::-2].copy())
     for dataset in (tensors, subset):
-        got = _batches(dataset, collate)
+        got = _batches(BatchFetch(dataset), collate)
         assert all(isinstance(b, Batch) for b in got)  # the batched path really ran
-        _assert_same(got, _batches(OneByOne(dataset), default_collate))
+        one_by_one = _batches(dataset)  # a plain DataLoader: per sample, default collate
+        assert not any(isinstance(b, Batch) for b in one_by_one)
+        _assert_same(got, one_by_one)
 
 
 def test_datasets_without_batched_fetch_keep_the_per_sample_path() -> None:
     generated = synthetic(size=30, eval_size=8, image_size=4).train
     subset = IndexedSubset(generated, np.arange(30)[5:])
     for dataset in (generated, subset):
-        got = _batches(dataset, collate)
+        got = _batches(BatchFetch(dataset), collate)
         assert not any(isinstance(b, Batch) for b in got)
         _assert_same(got, _batches(dataset, default_collate))

@@ -55,7 +55,7 @@ class Splits:
 
 
 class Batch(tuple):
-    """``(x, y, index)`` of a whole batch, fetched at once by a dataset's ``__getitems__``:
+    """``(x, y, index)`` of a whole batch, fetched at once by a dataset's ``get_batch``:
     :func:`collate` passes it through as it is."""
 
 
@@ -64,11 +64,31 @@ def collate(samples: Any) -> Any:
     return samples if isinstance(samples, Batch) else default_collate(samples)
 
 
-class IndexedTensors(Dataset):
-    """In-memory inputs and labels; item ``i`` is ``(x[i], y[i], i)``.
+class BatchFetch(Dataset):
+    """What the template's loaders read: ``dataset`` with torch's ``__getitems__`` hook, so a
+    dataset with ``get_batch(indices)`` (in-memory tensors) hands over a whole :class:`Batch`,
+    and any other dataset is read one ``__getitem__`` per sample as usual. The dataset itself
+    keeps torch's plain protocol: a DataLoader of your own with the default collate works."""
 
-    A DataLoader fetches a whole batch with ``__getitems__``: one gather per tensor instead of
-    one ``__getitem__`` per sample and a collate, with the same values as that path."""
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self._batched = getattr(dataset, "get_batch", None)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.dataset[i]
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        if self._batched is None:
+            return [self.dataset[i] for i in indices]
+        return self._batched(indices)
+
+
+class IndexedTensors(Dataset):
+    """In-memory inputs and labels; item ``i`` is ``(x[i], y[i], i)``. ``get_batch`` gathers
+    a whole batch at once, with the same values as one item at a time and a default collate."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         if len(x) != len(y):
@@ -81,7 +101,7 @@ class IndexedTensors(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:
         return self.x[i], int(self.y[i]), i
 
-    def __getitems__(self, indices: list[int]) -> Batch:
+    def get_batch(self, indices: list[int]) -> Batch:
         index = torch.as_tensor(indices, dtype=torch.int64)
         return Batch((self.x[index], self.y[index].to(torch.int64), index))
 
@@ -100,10 +120,10 @@ class IndexedSubset(Dataset):
         x, y, _ = self.base[int(self.indices[j])]
         return x, y, j
 
-    def __getitems__(self, js: list[int]) -> Any:
-        if not hasattr(self.base, "__getitems__"):
+    def get_batch(self, js: list[int]) -> Any:
+        if not hasattr(self.base, "get_batch"):
             return [self[j] for j in js]
-        x, y, _ = self.base.__getitems__([int(self.indices[j]) for j in js])
+        x, y, _ = self.base.get_batch([int(self.indices[j]) for j in js])
         return Batch((x, y, torch.as_tensor(js, dtype=torch.int64)))
 
 

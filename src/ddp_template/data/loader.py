@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_template.config import Config, SamplerConfig
-from ddp_template.data.datasets import collate
+from ddp_template.data.datasets import BatchFetch, collate
 from ddp_template.data.eval_sampler import EvalShardSampler
 from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
 from ddp_template.distributed import DistInfo
@@ -135,7 +135,7 @@ def build_train_loader(
     generator = torch.Generator()
     generator.manual_seed(worker_seed(cfg.seed, info.rank, 0))
     return DataLoader(
-        dataset,
+        BatchFetch(dataset),
         batch_size=cfg.batch_size,
         sampler=sampler,
         drop_last=cfg.sampler.drop_last_batch,
@@ -148,7 +148,7 @@ def build_eval_loader(dataset: Dataset, cfg: Config, info: DistInfo) -> DataLoad
     """Contiguous, unpadded shards: no sample is evaluated twice."""
     sampler = EvalShardSampler(dataset, num_replicas=info.world_size, rank=info.rank)
     return DataLoader(
-        dataset,
+        BatchFetch(dataset),
         batch_size=cfg.eval_batch_size,
         sampler=sampler,
         **_loader_kwargs(cfg, info.device),
