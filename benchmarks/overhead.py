@@ -9,9 +9,10 @@ machine load hit every variant alike), under ``torchrun --standalone --nproc-per
 
 * ``bare``: benchmarks/bare_ddp.py, the classic loop (no Hydra, logging, eval or checkpoints);
 * ``template logger=none`` and ``template logger=wandb`` (offline): train.py with its defaults;
-* ``--suite realistic`` (or ``all``): a realistic step, ResNet-18 on generated 3x32x32 data, batch
-  64 per rank, 2 epochs of 512 samples (4 steps per rank each; a step is seconds on a CPU core): ``bare_ddp.py --model resnet18 --data synthetic`` against
-  train.py with ``logger=wandb`` (offline).
+* ``--suite realistic`` (or ``all``): a realistic step, ResNet-18 on generated 3x32x32 data,
+  batch 64 per rank, 2 epochs of 512 samples (4 steps per rank each; a step takes seconds on a
+  CPU core): ``bare_ddp.py --model resnet18 --data synthetic`` against train.py with
+  ``logger=wandb`` (offline).
 
 Every rank runs under benchmarks/_first_step_probe.py, so both programs are measured alike:
 seconds from process start to the end of the first optimizer step and peak RSS. Steady-state
