@@ -53,7 +53,10 @@ def checked(*overrides: str) -> None:
         (["early_stop.patience=0"], ["early_stop.patience=0", ">= 1"]),
         (["early_stop.patience=2"], ["early_stop.patience=2", "checkpoint.monitor=eval/accuracy"]),
         (["transforms=cifar", "transforms.padding=-1"], ["transforms.padding=-1", "=4"]),
-        (["transforms.scale=[0.5,0.1]"], ["transforms.scale=[0.5, 0.1]", "[0.08,1.0]"]),
+        (["transforms=imagenet", "transforms.scale=[0.5,0.1]"], ["scale=[0.5, 0.1]", "[0.08,1.0]"]),
+        (["transforms.padding=8"], ["transforms.padding=8 belongs to transforms=cifar", "none"]),
+        (["transforms=cifar", "transforms.scale=[0.5,1]"], ["transforms.scale=[0.5, 1.0] belongs"]),
+        (["transforms=cifar", "transforms.padding=null"], ["cifar needs it", "padding=4"]),
         (["transforms.mean=[0.5]"], ["transforms.mean=[0.5]", "give both"]),
         (
             ["transforms=imagenet", "transforms.std=[0,1,1]"],

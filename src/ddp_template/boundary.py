@@ -312,12 +312,24 @@ def _check_finetune(cfg: Config) -> None:
 
 def _check_transforms(cfg: Config) -> None:
     t = cfg.transforms
+    for key, owner, example in (("padding", "cifar", "4"), ("scale", "imagenet", "[0.08,1.0]")):
+        value = getattr(t, key)
+        _require(
+            value is None or t.name == owner,
+            f"transforms.{key}={value} belongs to transforms={owner} (here transforms.name="
+            f"{t.name}); choose transforms={owner}, or drop transforms.{key}.",
+        )
+        _require(
+            value is not None or t.name != owner,
+            f"transforms.{key}=null: transforms={owner} needs it; e.g. transforms.{key}={example}.",
+        )
     _require(
-        t.padding >= 0, f"transforms.padding={t.padding} must be >= 0; e.g. transforms.padding=4."
+        t.padding is None or t.padding >= 0,
+        f"transforms.padding={t.padding} must be >= 0; e.g. transforms.padding=4.",
     )
     _require(
-        len(t.scale) == 2 and 0.0 < t.scale[0] <= t.scale[1] <= 1.0,
-        f"transforms.scale={list(t.scale)} must be [min, max] with 0 < min <= max <= 1; e.g. "
+        t.scale is None or (len(t.scale) == 2 and 0.0 < t.scale[0] <= t.scale[1] <= 1.0),
+        f"transforms.scale={t.scale} must be [min, max] with 0 < min <= max <= 1; e.g. "
         f"transforms.scale=[0.08,1.0].",
     )
     _require(

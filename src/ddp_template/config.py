@@ -219,8 +219,8 @@ class TransformsConfig:
     """Training-time augmentation (training split only), torchvision transforms v2."""
 
     name: TransformName = TransformName.none
-    padding: int = 4  # cifar: random crop after padding each side by this many pixels
-    scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # imagenet: crop area range
+    padding: int | None = None  # cifar (4): random crop after padding each side by this many px
+    scale: list[float] | None = None  # imagenet ([0.08, 1.0]): the random crop's area range
     # Normalise both splits with these (null: the data builder's own normalisation, if any).
     mean: list[float] | None = None
     std: list[float] | None = None
