@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import jsonl, run, run_env, step_trainer, summary, train_cmd
+from helpers import jsonl, run, run_dirs, run_env, step_trainer, summary, train_cmd
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -143,10 +143,15 @@ def test_fp16_resume_continues_the_scaler(fp16_resumed: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------- SyncBN + bf16 on CPU
 @pytest.mark.slow
-def test_syncbn_bf16_matches_plain_fp32_accuracy(bf16_run: dict[str, Any], tmp_path: Path) -> None:
+def test_syncbn_bf16_matches_plain_fp32_accuracy(
+    bf16_run: dict[str, Any], digits_fp32_run: Path
+) -> None:
     assert bf16_run["config"].syncbn.enabled and bf16_run["config"].amp.mode == "bf16"
     synced = bf16_run["summary"]
-    plain = summary(train(tmp_path, "plain_fp32", "syncbn=off", "amp=off", "epochs=3"))
+    (plain_dir,) = run_dirs(digits_fp32_run)  # conftest.py: the same 3 epochs, fp32, no SyncBN
+    plain = summary(plain_dir)
+    plain_cfg = OmegaConf.load(plain_dir / ".hydra" / "config.yaml")
+    assert not plain_cfg.syncbn.enabled and plain_cfg.amp.mode == "off" and plain_cfg.epochs == 3
     assert synced["eval_accuracy"] >= 0.9 and plain["eval_accuracy"] >= 0.9, (synced, plain)
     assert abs(synced["eval_accuracy"] - plain["eval_accuracy"]) <= 0.05
 

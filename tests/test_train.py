@@ -8,13 +8,12 @@ import pytest
 from helpers import assert_one_run_dir, run, run_dirs, summary, torchrun, train_cmd
 
 
-def test_plain_torchrun_two_ranks_learns_in_one_run_dir(tmp_path: Path) -> None:
+def test_plain_torchrun_two_ranks_learns_in_one_run_dir(digits_fp32_run: Path) -> None:
     """torchrun without --standalone (a --master-port rendezvous): one run dir, and 2 ranks on
     digits learn; eval counts all 359 samples once (uneven shards of 180 and 179). The
     --standalone rendezvous is test_three_ranks_evaluate_exactly_like_one's and test_resume's
     torchrun run; in-process ranks are test_launch.py::test_two_runs_at_once_do_not_collide."""
-    run(train_cmd(tmp_path, "logger=none", "epochs=4", launcher=torchrun(2, standalone=False)))
-    d = assert_one_run_dir(tmp_path, 2)
+    d = assert_one_run_dir(digits_fp32_run, 2)  # conftest.py: 3 epochs, shared with test_amp
     s = summary(d)
     assert s["world_size"] == 2 and s["eval_count"] == 359
     assert s["eval_accuracy"] >= 0.9, s
