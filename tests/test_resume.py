@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TORCHRUN, jsonl, run, run_env, torchrun, train_cmd
+from helpers import jsonl, run, run_env, torchrun, train_cmd
 from wandb_reader import find_runs
 
 from ddp_template import checkpoint
-from ddp_template.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from ddp_template.distributed import DistInfo
+from ddp_template.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 
 BASE = [
     "data=synthetic",
@@ -86,30 +87,67 @@ def test_stopping_early_matters(reference) -> None:
     assert any(not torch.equal(short["model"][k], reference["off"][k]) for k in short["model"])
 
 
-def test_crash_mid_epoch_stops_all_then_resume_is_bit_identical(reference, tmp_path: Path) -> None:
-    """A rank raising mid-epoch stops every rank promptly with its traceback, and no rank or
-    loader worker outlives the run by 10 s (torchrun semantics); the same command then resumes
-    from the mid-epoch checkpoint to the reference model. (bf16: see the SIGKILL test.)"""
-    proc = launch(tmp_path, "crash", "logger=none", *CRASH, check=False, leftovers=10)
+def test_sigkill_crash_and_ctrl_c_in_turn_each_resume_to_the_identical_model(
+    reference, tmp_path: Path
+) -> None:
+    """One run stopped three ways in turn, each time resumed by launching it again; then it
+    must end bit-identical to the reference. (One chain, not three runs each with its own
+    resume: every stop is checked on its own launch's output.)"""
+    ckpt = tmp_path / "outputs/chain/checkpoints/last.pt"
+
+    # 1. The OOM killer's way: no exception, no handler. The run fails naming SIGKILL, and no
+    # process it started (under forkserver the killed rank's loader workers used to outlive the
+    # whole run) is left 10 s after the launcher exits: ``run`` fails on any.
+    kill = ["fault.crash_at_step=2", "fault.rank=1", "fault.signal=SIGKILL"]
+    proc = launch(tmp_path, "chain", "logger=none", *kill, check=False, leftovers=10)
+    assert proc.returncode != 0 and "SIGKILL" in proc.stderr, proc.stderr[-2000:]
+
+    # 2. Resumed, then a rank raises mid-epoch: every rank stops promptly with its traceback,
+    # nothing left behind 10 s later (torchrun semantics), and the step-10 checkpoint records
+    # its place in the epoch.
+    proc = launch(tmp_path, "chain", "logger=none", *CRASH, check=False, leftovers=10)
     out = proc.stdout + proc.stderr
+    assert "resumed from" in proc.stdout, out[-3000:]
     assert proc.returncode != 0
     assert "rank 1 failed" in out and "Traceback" in out, out[-3000:]
     assert "RuntimeError: fault injected: rank 1 crashes after step 11" in out, out[-3000:]
-    stopped = torch.load(tmp_path / "outputs/crash/checkpoints/last.pt", weights_only=True)
+    stopped = torch.load(ckpt, weights_only=True)
     assert stopped["step"] == 10 and stopped["epoch"] == 1 and stopped["position"] == 8
-    proc = launch(tmp_path, "crash", "logger=none")
-    assert "resumed from" in proc.stdout
-    assert_identical(reference["off"], final_model(tmp_path, "crash"))
-    # No sample skipped or repeated: epoch 1 of the resumed run saw the rest of the shard.
-    rows = jsonl(tmp_path / "outputs/crash/rank0/metrics.jsonl")
+
+    # 3. Resumed, then Ctrl-C: SIGINT to the whole process group mid-epoch, as a terminal's:
+    # the launcher and both ranks get it (and the launcher forwards it again); every rank stops
+    # at one step boundary, one line, exit 130, no traceback.
+    ctrl_c = [
+        "checkpoint.preempt_check_every=1",
+        "fault.crash_at_step=13",
+        "fault.rank=1",
+        "fault.signal=SIGINT",
+        "fault.process_group=true",
+    ]
+    proc = launch(tmp_path, "chain", "logger=none", *ctrl_c, check=False, new_session=True)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_INTERRUPTED, output[-3000:]
+    assert "resumed from" in proc.stdout, output[-3000:]
+    said = [line for line in output.splitlines() if "interrupted at step" in line]
+    assert len(said) == 1 and "resume with: RUN_ID=chain python" in said[0], output[-3000:]
+    assert "Traceback" not in output and "SignalException" not in output, output[-3000:]
+    stopped = torch.load(ckpt, weights_only=True)
+    assert 14 <= stopped["step"] <= 15 and f"step {stopped['step']}" in said[0]
+
+    # 4. The command that line gives (the same command: its fault lies behind the checkpoint).
+    launch(tmp_path, "chain", "logger=none", *ctrl_c, new_session=True)
+    assert_identical(reference["off"], final_model(tmp_path, "chain"))
+    # No sample skipped or repeated: epoch 1's only row (stopped launches log no partial
+    # epoch) counts the rest of the shard after the Ctrl-C checkpoint's position.
+    rows = jsonl(tmp_path / "outputs/chain/rank0/metrics.jsonl")
     epoch1 = [r for r in rows if r.get("epoch") == 1 and "data/samples" in r]
-    assert [r["data/samples"] for r in epoch1] == [30 - 8]  # crash run logged no epoch 1
+    assert [r["data/samples"] for r in epoch1] == [30 - stopped["position"]]
 
 
 def test_sigterm_checkpoints_exits_75_then_resumes(reference, tmp_path: Path) -> None:
     """SIGTERM to rank 1 alone at step 3, checked every 10 steps: the epoch end (step 8) comes
     first, where both ranks agree to stop. The stop at the next step boundary when checked every
-    step is Ctrl-C's run below; the agreement itself is test_preemption_agreement_*."""
+    step is the Ctrl-C stop above; the agreement itself is test_preemption_agreement_*."""
     check = "checkpoint.preempt_check_every=10"
     term = ["fault.crash_at_step=3", "fault.rank=1", "fault.signal=SIGTERM"]
     proc = launch(tmp_path, "term", *term, check, check=False)
@@ -131,7 +169,6 @@ def _preempt_rank(rank: int, port: int, every: int, signal_at: int, out) -> None
     ``signal_at``. Reports the step at which this rank stopped (8: at the epoch end)."""
     import torch.distributed as dist
 
-    from ddp_template.distributed import DistInfo
     from ddp_template.preemption import Preemption
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -191,30 +228,6 @@ def test_preemption_agreement_one_signalled_rank_stops_both_at_one_step(
     assert all(agreed == (1 if want else 0) for _, _, agreed in results)  # PREEMPT, not INTERRUPT
 
 
-def test_ctrl_c_stops_every_rank_at_one_step_exits_130_and_resumes(
-    reference, tmp_path: Path
-) -> None:
-    """SIGINT to the whole process group mid-epoch, as a terminal's Ctrl-C: the launcher and
-    both ranks get it (and the launcher forwards it again); one line, exit 130, nothing left."""
-    ctrl_c = [
-        "checkpoint.preempt_check_every=1",
-        "fault.crash_at_step=11",
-        "fault.rank=1",
-        "fault.signal=SIGINT",
-        "fault.process_group=true",
-    ]
-    proc = launch(tmp_path, "ctrlc", "logger=none", *ctrl_c, check=False, new_session=True)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == EXIT_INTERRUPTED, output[-3000:]
-    said = [line for line in output.splitlines() if "interrupted at step" in line]
-    assert len(said) == 1 and "resume with: RUN_ID=ctrlc python" in said[0], output[-3000:]
-    assert "Traceback" not in output and "SignalException" not in output, output[-3000:]
-    stopped = torch.load(tmp_path / "outputs/ctrlc/checkpoints/last.pt", weights_only=True)
-    assert 12 <= stopped["step"] <= 13 and f"step {stopped['step']}" in said[0]
-    launch(tmp_path, "ctrlc", "logger=none", *ctrl_c, new_session=True)  # the same command
-    assert_identical(reference["off"], final_model(tmp_path, "ctrlc"))
-
-
 def test_torchrun_max_restarts_recovers_identically(reference, tmp_path: Path) -> None:
     """torchrun's own restart (loader workers off: they are the SIGKILL tests' point, and the
     reference, which had them, must not depend on them)."""
@@ -222,15 +235,6 @@ def test_torchrun_max_restarts_recovers_identically(reference, tmp_path: Path) -
     overrides = ["logger=none", "num_workers=0", *CRASH]
     launch(tmp_path, "elastic", *overrides, nproc_flag=False, launcher=launcher)
     assert_identical(reference["off"], final_model(tmp_path, "elastic"))
-
-
-def test_sigkilled_rank_fails_the_run_and_takes_its_loader_workers_along(tmp_path: Path) -> None:
-    """The OOM killer's way: no exception, no handler. ``run`` fails on any process left behind
-    10 s after the launcher exits (under forkserver the killed rank's workers used to outlive
-    the whole run). Killed at step 2: nothing later matters here."""
-    kill = ["fault.crash_at_step=2", "fault.rank=1", "fault.signal=SIGKILL"]
-    proc = launch(tmp_path, "oom", "logger=none", *kill, check=False, leftovers=10)
-    assert proc.returncode != 0 and "SIGKILL" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_in_process_max_restarts_after_sigkill_recovers_identically(
@@ -253,20 +257,26 @@ def test_in_process_max_restarts_after_sigkill_recovers_identically(
 
 
 def test_other_world_size_is_refused_clearly(reference, tmp_path: Path) -> None:
+    """A 2-rank checkpoint on a 3-rank run: ``restore`` refuses it before putting anything back,
+    one sentence naming both sizes, and the file is left alone. In-process (a 3-rank launch
+    only added that a rank's ConfigError ends the run with its sentence:
+    test_config.py::test_meaningless_values_get_one_sentence's drop_last case)."""
     ckpt = tmp_path / "ws2.pt"  # a 2-rank checkpoint
     ckpt.write_bytes((reference["checkpoints"] / "last.pt").read_bytes())
     before = ckpt.read_bytes()
-    cmd = train_cmd(
-        tmp_path,
-        *BASE,
-        "logger=none",
-        "num_workers=0",
-        f"resume={ckpt}",
-        launcher=[*TORCHRUN, "--standalone", "--nproc-per-node=3"],
+    found = checkpoint.find_resume(str(ckpt), tmp_path)
+    assert found is not None and found.payload["world_size"] == 2
+    three = DistInfo(
+        rank=2,
+        local_rank=2,
+        world_size=3,
+        local_world_size=3,
+        backend="gloo",
+        device=torch.device("cpu"),
+        host="localhost",
     )
-    proc = run(cmd, env=run_env(RUN_ID="ws3"), check=False)
-    assert proc.returncode != 0
-    assert "world size 2 but this run has 3 ranks" in proc.stdout + proc.stderr
+    with pytest.raises(ConfigError, match="world size 2 but this run has 3 ranks"):
+        checkpoint.restore(found, None, None, three)  # nothing of the run is touched first
     assert ckpt.read_bytes() == before  # nothing written over
 
 
