@@ -131,17 +131,17 @@ def test_sigkill_crash_and_ctrl_c_in_turn_each_resume_to_the_identical_model(
     said = [line for line in output.splitlines() if "interrupted at step" in line]
     assert len(said) == 1 and "resume with: RUN_ID=chain python" in said[0], output[-3000:]
     assert "Traceback" not in output and "SignalException" not in output, output[-3000:]
-    stopped = torch.load(ckpt, weights_only=True)
-    assert 14 <= stopped["step"] <= 15 and f"step {stopped['step']}" in said[0]
+    interrupted = torch.load(ckpt, weights_only=True)
+    assert 14 <= interrupted["step"] <= 15 and f"step {interrupted['step']}" in said[0]
 
     # 4. The command that line gives (the same command: its fault lies behind the checkpoint).
     launch(tmp_path, "chain", "logger=none", *ctrl_c, new_session=True)
     assert_identical(reference["off"], final_model(tmp_path, "chain"))
-    # No sample skipped or repeated: epoch 1's only row (stopped launches log no partial
-    # epoch) counts the rest of the shard after the Ctrl-C checkpoint's position.
+    # No sample skipped or repeated: in epoch 1 the crashed launch logged nothing, the
+    # interrupted one its part from the crash's checkpoint to its own, the last one the rest.
     rows = jsonl(tmp_path / "outputs/chain/rank0/metrics.jsonl")
-    epoch1 = [r for r in rows if r.get("epoch") == 1 and "data/samples" in r]
-    assert [r["data/samples"] for r in epoch1] == [30 - stopped["position"]]
+    epoch1 = [r["data/samples"] for r in rows if r.get("epoch") == 1 and "data/samples" in r]
+    assert epoch1 == [interrupted["position"] - 8, 30 - interrupted["position"]]
 
 
 def test_sigterm_checkpoints_exits_75_then_resumes(reference, tmp_path: Path) -> None:
