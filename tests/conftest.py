@@ -48,3 +48,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if marker and found < need:
             reason = f"needs {need} CUDA GPU{'s' if need > 1 else ''} (marker gpu), found {found}"
             item.add_marker(pytest.mark.skip(reason=f"{reason}; run benchmarks/gpu_check.sh"))
+
+
+@pytest.fixture(scope="session")
+def digits_fp32_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One fp32 2-rank digits run (plain torchrun, 3 epochs, W&B off), its ``out`` folder:
+    test_train's "two ranks learn" and test_amp's SyncBN+bf16 baseline read the same run."""
+    from helpers import run, torchrun, train_cmd
+
+    out = tmp_path_factory.mktemp("digits_fp32")
+    run(train_cmd(out, "logger=none", "epochs=3", launcher=torchrun(2, standalone=False)))
+    return out

@@ -180,3 +180,18 @@ def step_trainer(*, model, optimizer, scaler, device, amp_mode: str, grad_clip: 
         amp_mode=amp_mode,
         grad_clip=grad_clip,
     )
+
+
+def assert_one_run_dir(out: Path, world: int) -> Path:
+    """The only run dir under ``out``: its config, log, every rank's metrics and log files."""
+    dirs = run_dirs(out)
+    assert len(dirs) == 1, dirs
+    d = dirs[0]
+    assert (d / ".hydra" / "config.yaml").is_file()
+    assert (d / "train.log").is_file()
+    for r in range(world):
+        rows = jsonl(d / f"rank{r}" / "metrics.jsonl")
+        assert any("data/samples" in row for row in rows), f"rank {r} logged no epoch"
+    for r in range(1, world):
+        assert (d / f"rank{r}.log").is_file()
+    return d

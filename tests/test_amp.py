@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import jsonl, run, run_env, step_trainer, summary, train_cmd
+from helpers import jsonl, run, run_dirs, run_env, step_trainer, summary, train_cmd
+from omegaconf import OmegaConf
 from torch import nn
 
 from ddp_template.amp import build_scaler, check_amp
@@ -54,6 +55,7 @@ def snapshot(run_dir: Path) -> dict[str, Any]:
         "metrics": [jsonl(run_dir / f"rank{r}" / "metrics.jsonl") for r in range(2)],
         "checkpoint": torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True),
         "log": (run_dir / "train.log").read_text(),
+        "config": OmegaConf.load(run_dir / ".hydra" / "config.yaml"),
     }
 
 
@@ -82,7 +84,10 @@ def assert_learned(snap: dict[str, Any], min_accuracy: float = 0.8) -> None:
 
 @pytest.fixture(scope="module")
 def bf16_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return snapshot(train(tmp_path_factory.mktemp("bf16"), "bf16", "amp=bf16", "epochs=3"))
+    """bf16 with SyncBatchNorm: one run for both the bf16 and the SyncBN+bf16 claims (bf16
+    without SyncBN runs in test_resume.py, bit-identical across a restart)."""
+    out = tmp_path_factory.mktemp("bf16")
+    return snapshot(train(out, "bf16", "syncbn=on", "amp=bf16", "epochs=3"))
 
 
 @pytest.fixture(scope="module")
@@ -138,9 +143,15 @@ def test_fp16_resume_continues_the_scaler(fp16_resumed: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------- SyncBN + bf16 on CPU
 @pytest.mark.slow
-def test_syncbn_bf16_matches_plain_fp32_accuracy(tmp_path: Path) -> None:
-    synced = summary(train(tmp_path, "syncbn_bf16", "syncbn=on", "amp=bf16", "epochs=3"))
-    plain = summary(train(tmp_path, "plain_fp32", "syncbn=off", "amp=off", "epochs=3"))
+def test_syncbn_bf16_matches_plain_fp32_accuracy(
+    bf16_run: dict[str, Any], digits_fp32_run: Path
+) -> None:
+    assert bf16_run["config"].syncbn.enabled and bf16_run["config"].amp.mode == "bf16"
+    synced = bf16_run["summary"]
+    (plain_dir,) = run_dirs(digits_fp32_run)  # conftest.py: the same 3 epochs, fp32, no SyncBN
+    plain = summary(plain_dir)
+    plain_cfg = OmegaConf.load(plain_dir / ".hydra" / "config.yaml")
+    assert not plain_cfg.syncbn.enabled and plain_cfg.amp.mode == "off" and plain_cfg.epochs == 3
     assert synced["eval_accuracy"] >= 0.9 and plain["eval_accuracy"] >= 0.9, (synced, plain)
     assert abs(synced["eval_accuracy"] - plain["eval_accuracy"]) <= 0.05
 

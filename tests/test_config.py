@@ -10,7 +10,7 @@ import torch
 from helpers import ROOT, run, train_cmd
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_template.boundary import typed
+from ddp_template.boundary import check, typed
 from ddp_template.config import SamplerMode
 from ddp_template.data.datasets import build_splits
 from ddp_template.data.samplers import SAMPLER_MODES
@@ -121,11 +121,15 @@ def test_torchvision_data_offline_is_a_clear_error(
         ("model=nope", "model"),
     ],
 )
-def test_bad_override_exits_nonzero_naming_it(tmp_path: Path, override: str, needle: str) -> None:
-    proc = run(train_cmd(tmp_path, override, "logger=none"), check=False, timeout=120)
-    assert proc.returncode != 0
-    assert needle in proc.stderr + proc.stdout
-    assert not (tmp_path / "outputs").exists()  # rejected before any run dir
+def test_bad_override_is_refused_by_composition_naming_it(
+    override: str, needle: str, compose_cfg: Callable[..., DictConfig]
+) -> None:
+    """Hydra refuses these while composing, in train.py exactly as here, so before any run
+    dir: that train.py then exits non-zero with Hydra's message and leaves no run dir is one
+    start-up's claim, test_amp.py::test_unknown_amp_mode_fails_at_startup."""
+    with pytest.raises(Exception) as err:
+        compose_cfg(override, "logger=none")
+    assert needle in f"{err.value} {err.value.__cause__}"
 
 
 @pytest.mark.parametrize(
@@ -134,15 +138,31 @@ def test_bad_override_exits_nonzero_naming_it(tmp_path: Path, override: str, nee
         (["batch_size=0"], "batch_size=0"),
         (["sampler=sequential", "sampler.shuffle=true"], "sampler.shuffle"),
         (["backend=nccl"], "backend.name=nccl"),
-        (["sampler=drop_last", "data=synthetic", "data.size=1", "dist.nproc=2"], "drop_last"),
         (["+nonsense_key=1"], "nonsense_key=1 is not a key of the config"),
+    ],
+)
+def test_meaningless_values_are_refused_at_the_boundary(
+    overrides: list[str], needle: str, compose_cfg: Callable[..., DictConfig]
+) -> None:
+    """train.py's own start-up checks (boundary.typed, boundary.check), in-process; the exit
+    code 2 and one sentence they become is test_meaningless_values_get_one_sentence."""
+    if "backend=nccl" in overrides and torch.cuda.is_available():
+        pytest.skip("nccl is valid on a CUDA machine")
+    cfg = compose_cfg(*overrides, "logger=none", "epochs=1")
+    with pytest.raises(ConfigError, match=needle):
+        check(typed(cfg))
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["batch_size=0"], "batch_size=0"),  # refused by boundary.check, before any rank
+        (["sampler=drop_last", "data=synthetic", "data.size=1", "dist.nproc=2"], "drop_last"),
     ],
 )
 def test_meaningless_values_get_one_sentence(
     tmp_path: Path, overrides: list[str], needle: str
 ) -> None:
-    if "backend=nccl" in overrides and torch.cuda.is_available():
-        pytest.skip("nccl is valid on a CUDA machine")
     proc = run(train_cmd(tmp_path, *overrides, "logger=none", "epochs=1"), check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert needle in proc.stdout + proc.stderr

@@ -131,16 +131,6 @@ def test_array_bad_input_names_the_key(tmp_path: Path, case: str, needle: str) -
         array_dataset(str(path), shape)
 
 
-def test_debug_fast_trains_on_array_data(tmp_path: Path) -> None:
-    """The quickest user path: own arrays, no code, a smoke run that finishes."""
-    data = _npz(tmp_path / "d.npz")
-    run(train_cmd(tmp_path, "debug=fast", "data=array", f"data.path={data}"))
-    run_dir = only_run_dir(tmp_path)
-    assert summary(run_dir)["steps"] == 2  # 40 samples / batch 32: min(2 batches, 5 steps)
-    assert not (run_dir / "rank0" / "wandb").exists()  # debug=fast turns W&B off
-    assert not list((run_dir / "checkpoints").glob("*.pt"))
-
-
 # --- a user's own model and dataset, kept outside the repository ---------------------------
 
 MYMODELS = """
@@ -326,6 +316,8 @@ def _doc_block(heading: str) -> str:
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="the rename commands use git grep")
 def test_rename_commands_work_on_a_copy(tmp_path: Path) -> None:
+    """The README's rename commands leave a copy that trains: debug=fast on data=array (the
+    debug=fast-on-own-arrays smoke path's one run, too)."""
     files = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,
@@ -361,14 +353,16 @@ def test_rename_commands_work_on_a_copy(tmp_path: Path) -> None:
         f"paths.output_root={tmp_path / 'outputs'}",
         CPU,
         "debug=fast",
-        "data=synthetic",
-        "data.size=16",
-        "data.eval_size=8",
-        "data.image_size=8",
+        "data=array",
+        f"data.path={_npz(tmp_path / 'd.npz')}",
     ]
     env = run_env(PYTHONPATH=str(repo / "src"))
     run(cmd, env=env, cwd=repo)  # asserts exit 0
-    assert summary(only_run_dir(tmp_path))["steps"] == 1
+    # The same run is the quickest user path too: own arrays, no code, a smoke run that ends.
+    run_dir = only_run_dir(tmp_path)
+    assert summary(run_dir)["steps"] == 2  # 40 samples / batch 32: min(2 batches, 5 steps)
+    assert not (run_dir / "rank0" / "wandb").exists()  # debug=fast turns W&B off
+    assert not list((run_dir / "checkpoints").glob("*.pt"))
 
 
 def test_sweep_over_an_experiment(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sys
 import textwrap
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -21,7 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from helpers import PY, jsonl, run, run_env, train_cmd
+from helpers import jsonl, run, run_env, train_cmd
 
 from ddp_template.data.accounting import fingerprint
 from ddp_template.replay import index_hits, load_run, main, step_rows
@@ -178,8 +179,17 @@ def test_bad_input_is_one_sentence_and_exit_2(on_path: SimpleNamespace, tmp_path
         assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
 
-def test_the_command_line_entry_point(trained: SimpleNamespace) -> None:
-    cmd = [PY, "-m", "ddp_template.replay", str(trained.run_dir), "--step", "99"]
-    proc = run(cmd, env=trained.env, check=False)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip().count("\n") == 0 and "step=99 is outside" in proc.stderr
+def test_the_command_line_entry_point(
+    on_path: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """``python -m ddp_template.replay``: the module's ``__main__`` block, run as ``-m`` runs
+    it (runpy), in this process (a fresh interpreter would only add torch's import)."""
+    import runpy
+
+    argv = ["replay", str(on_path.run_dir), "--step", "99"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("ddp_template.replay", run_name="__main__", alter_sys=True)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == ""
+    assert err.strip().count("\n") == 0 and "step=99 is outside" in err
