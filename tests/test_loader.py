@@ -15,7 +15,7 @@ from ddp_template.data import loader
 
 
 def _watch(pid: int, pidfd: bool) -> None:
-    """A forked stand-in for a loader worker (torch is already imported: no start-up cost)."""
+    """A stand-in for a loader worker, from the forkserver like the real ones."""
     if not pidfd:
         del os.pidfd_open  # this child only: the polling fallback
     loader._exit_when_gone(pid)
@@ -25,7 +25,9 @@ def _watch(pid: int, pidfd: bool) -> None:
 @pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "polling"])
 def test_watchdog_waits_for_the_rank_then_exits(pidfd: bool) -> None:
     rank = subprocess.Popen(["sleep", "120"])
-    watcher = multiprocessing.get_context("fork").Process(target=_watch, args=(rank.pid, pidfd))
+    watcher = multiprocessing.get_context("forkserver").Process(
+        target=_watch, args=(rank.pid, pidfd)
+    )
     watcher.start()
     try:
         watcher.join(timeout=2)  # the rank lives: the worker stays

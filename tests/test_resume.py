@@ -207,13 +207,14 @@ def _preempt_rank(rank: int, port: int, every: int, signal_at: int, out) -> None
 def test_preemption_agreement_one_signalled_rank_stops_both_at_one_step(
     every: int, signal_at: int, want: int | None
 ) -> None:
-    """The claim of the former per-interval SIGTERM runs, on forked ranks (no torch import,
-    no train.py): a signal on one rank stops every rank after the same step."""
+    """The claim of the former per-interval SIGTERM runs, on two gloo ranks from a forkserver
+    (torch imported once, no train.py): a signal on one rank stops every rank after the same
+    step. Not plain fork: this test process has thread pools a forked child can deadlock on."""
     import multiprocessing
 
     from helpers import free_port
 
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("forkserver")
     out, port = ctx.Queue(), free_port()
     procs = [
         ctx.Process(target=_preempt_rank, args=(r, port, every, signal_at, out)) for r in (0, 1)
@@ -308,8 +309,9 @@ def test_write_killed_before_rename_keeps_previous(tmp_path: Path) -> None:
 
     path = tmp_path / "last.pt"
     checkpoint.save_atomic(_payload(1), path)
-    # A forked child (torch already imported): SIGKILLed where it would rename.
-    child = multiprocessing.get_context("fork").Process(
+    # A child SIGKILLed where it would rename. From the forkserver, not a fork of this process:
+    # its torch thread pools deadlock a forked child's torch.save (seen in CI).
+    child = multiprocessing.get_context("forkserver").Process(
         target=_save_killed_before_rename, args=(path,)
     )
     child.start()
