@@ -10,13 +10,17 @@ the two runs must end with the same weights up to float rounding. The same runs 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import jsonl, run, run_env, train_cmd
 from test_resume import assert_identical
 
+from ddp_template.checkpoint import Found, restore
 from ddp_template.data.schedule import StepSchedule
+from ddp_template.distributed import DistInfo
+from ddp_template.errors import ConfigError
 from ddp_template.models import small_cnn
 from ddp_template.replay import load_run, step_rows
 
@@ -112,3 +116,21 @@ def test_accumulation_equals_the_big_batch_and_resumes_bit_identically(tmp_path:
     assert_identical(acc["ema"]["model"], resumed["ema"]["model"])
     assert resumed["ema"]["updates"] == acc["ema"]["updates"] == 8
     assert_identical(acc["optimizer"]["state"][0], resumed["optimizer"]["state"][0])
+
+
+def test_resume_with_another_accumulate_is_refused(tmp_path: Path) -> None:
+    """A mid-epoch position of K=2 need not be a step boundary of K=3: one sentence, no load."""
+    path = tmp_path / "last.pt"
+    found = Found(path, {"world_size": 1, "accumulate": 2})
+    schedule = StepSchedule(length=100, batch_size=16, epochs=1, accumulate=3)
+    alone = DistInfo(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        backend=None,
+        device=torch.device("cpu"),
+        host="localhost",
+    )
+    with pytest.raises(ConfigError, match=r"accumulate=2 but this run has optim.accumulate=3"):
+        restore(found, SimpleNamespace(schedule=schedule), None, alone)

@@ -263,6 +263,13 @@ def restore(found: Found, tr: Trainer, state: TrainState, info: DistInfo) -> Non
     """Put every piece back where it was; refuse a checkpoint this run cannot continue."""
     payload, path = found.payload, found.path
     check_compatible(payload, path, info)
+    saved_k, k = payload.get("accumulate", 1), _accumulate(tr)
+    if saved_k != k:  # a mid-epoch position need not be a step boundary of another K
+        raise ConfigError(
+            f"checkpoint {path} was written with optim.accumulate={saved_k} but this run has "
+            f"optim.accumulate={k}; resume with optim.accumulate={saved_k}, or start a new run "
+            f"from its weights with init_from={path}."
+        )
     try:
         tr.sampler.load_state_dict(payload["sampler"][info.rank])
     except ValueError as exc:
@@ -286,6 +293,10 @@ def restore(found: Found, tr: Trainer, state: TrainState, info: DistInfo) -> Non
     _restore_ema(payload, path, tr)
     state.epoch, state.step, state.position = payload["epoch"], payload["step"], payload["position"]
     _set_rng_state(payload["rng"][info.rank])
+
+
+def _accumulate(tr: Trainer) -> int:
+    return tr.schedule.accumulate if tr.schedule is not None else 1
 
 
 def _restore_ema(payload: dict[str, Any], path: Path, tr: Trainer) -> None:
