@@ -195,3 +195,35 @@ def assert_one_run_dir(out: Path, world: int) -> Path:
     for r in range(1, world):
         assert (d / f"rank{r}.log").is_file()
     return d
+
+
+def join_gloo(rank: int, world: int, port: int, timeout_s: float = 60) -> None:
+    """A test's own rank joins a gloo group on localhost (torch imported, no train.py)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def cpu_rank(rank: int = 0, world_size: int = 1, backend: str | None = None):
+    """The DistInfo of a CPU rank on localhost, as distributed.setup would describe it."""
+    import torch
+
+    from ddp_template.distributed import DistInfo
+
+    return DistInfo(
+        rank=rank,
+        local_rank=rank,
+        world_size=world_size,
+        local_world_size=world_size,
+        backend=backend,
+        device=torch.device("cpu"),
+        host="localhost",
+    )

@@ -14,12 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import jsonl, run, run_env, train_cmd
+from helpers import cpu_rank, jsonl, run, run_env, train_cmd
 from test_resume import assert_identical
 
 from ddp_template.checkpoint import Found, restore
 from ddp_template.data.schedule import StepSchedule
-from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
 from ddp_template.models import small_cnn
 from ddp_template.replay import load_run, step_rows
@@ -123,14 +122,6 @@ def test_resume_with_another_accumulate_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "last.pt"
     found = Found(path, {"world_size": 1, "accumulate": 2})
     schedule = StepSchedule(length=100, batch_size=16, epochs=1, accumulate=3)
-    alone = DistInfo(
-        rank=0,
-        local_rank=0,
-        world_size=1,
-        local_world_size=1,
-        backend=None,
-        device=torch.device("cpu"),
-        host="localhost",
-    )
+    alone = cpu_rank(0, 1, backend=None)
     with pytest.raises(ConfigError, match=r"accumulate=2 but this run has optim.accumulate=3"):
         restore(found, SimpleNamespace(schedule=schedule), None, alone)

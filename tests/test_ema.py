@@ -4,7 +4,6 @@ and 3 ranks. (Resume with EMA on is bit-identical: test_accumulation's kill-and-
 from __future__ import annotations
 
 import socket
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port, step_trainer
+from helpers import free_port, join_gloo, step_trainer
 
 from ddp_template.config import Config, DDPConfig, EmaConfig
 from ddp_template.data.datasets import synthetic
@@ -73,13 +72,7 @@ def flat(tensors) -> torch.Tensor:
 
 def worker(rank: int, world: int, port: int, ema_state: dict, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    join_gloo(rank, world, port, timeout_s=60)
     try:
         info = rank_info(rank, world)
         trained, model = train_with_ema(info)

@@ -10,7 +10,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import compose_conf
-from helpers import PY, ROOT, jsonl, run, run_dirs, run_env, step_trainer, summary, train_cmd
+from helpers import (
+    PY,
+    ROOT,
+    cpu_rank,
+    jsonl,
+    run,
+    run_dirs,
+    run_env,
+    step_trainer,
+    summary,
+    train_cmd,
+)
 from omegaconf import DictConfig, OmegaConf
 from wandb_reader import find_runs
 
@@ -18,7 +29,6 @@ from ddp_template import boundary
 from ddp_template.checkpoint import init_weights
 from ddp_template.data.datasets import build_splits
 from ddp_template.data.loader import build_eval_loader
-from ddp_template.distributed import DistInfo
 from ddp_template.engine import EvalResult, _step, evaluate
 from ddp_template.models import build_model, small_cnn
 
@@ -40,15 +50,7 @@ def test_experiment_with_and_without_plus_compose_the_same(
     )
 
 
-ONE = DistInfo(
-    rank=0,
-    local_rank=0,
-    world_size=1,
-    local_world_size=1,
-    backend=None,
-    device=torch.device("cpu"),
-    host="test",
-)
+ONE = cpu_rank()
 
 
 def evaluate_here(ckpt: Path, *overrides: str) -> EvalResult:

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import free_port, run, run_env, step_trainer, summary, torchrun, train_cmd
-from test_resume import assert_identical, final_model
+from test_resume import BASE, assert_identical, final_model
 from test_syncbn import (
     combined_grads,
     local_slice,
@@ -228,17 +228,7 @@ def test_fp16_steps_wait_for_the_gpu_only_without_a_fused_optimizer(fused: bool)
         torch.cuda.set_sync_debug_mode(0)
 
 
-RESUME = [
-    "deterministic=true",
-    "data=synthetic",
-    "data.eval_size=20",
-    "data.image_size=8",
-    "batch_size=4",
-    "epochs=2",
-    "num_workers=2",
-    "checkpoint.every_steps=1",
-    "logger=none",
-]
+RESUME = [*(o for o in BASE if not o.startswith("data.size=")), "deterministic=true", "logger=none"]
 
 
 @pytest.mark.parametrize(

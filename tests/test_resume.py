@@ -17,11 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import jsonl, run, run_env, torchrun, train_cmd
+from helpers import cpu_rank, jsonl, run, run_env, torchrun, train_cmd
 from wandb_reader import find_runs
 
 from ddp_template import checkpoint
-from ddp_template.distributed import DistInfo
 from ddp_template.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 
 BASE = [
@@ -172,15 +171,7 @@ def _preempt_rank(rank: int, port: int, every: int, signal_at: int, out) -> None
     from ddp_template.preemption import Preemption
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    info = DistInfo(
-        rank=rank,
-        local_rank=rank,
-        world_size=2,
-        local_world_size=2,
-        backend="gloo",
-        device=torch.device("cpu"),
-        host="localhost",
-    )
+    info = cpu_rank(rank, 2, backend="gloo")
     pre = Preemption(info=info, every=every, run_id="unit")
     stopped = None
     for step in range(1, 9):
@@ -267,15 +258,7 @@ def test_other_world_size_is_refused_clearly(reference, tmp_path: Path) -> None:
     before = ckpt.read_bytes()
     found = checkpoint.find_resume(str(ckpt), tmp_path)
     assert found is not None and found.payload["world_size"] == 2
-    three = DistInfo(
-        rank=2,
-        local_rank=2,
-        world_size=3,
-        local_world_size=3,
-        backend="gloo",
-        device=torch.device("cpu"),
-        host="localhost",
-    )
+    three = cpu_rank(2, 3, backend="gloo")
     with pytest.raises(ConfigError, match="world size 2 but this run has 3 ranks"):
         checkpoint.restore(found, None, None, three)  # nothing of the run is touched first
     assert ckpt.read_bytes() == before  # nothing written over

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import logging
 import pickle
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port
+from helpers import cpu_rank, free_port, join_gloo
 
 WORLD = 2
 N = 1001
@@ -79,27 +78,12 @@ def run_scenario(name: str, info: Any, logger: Any, captured: list[str]) -> dict
 
 def worker(rank: int, port: int, out_dir: str) -> None:
     from ddp_template.config import LoggerConfig, LoggerName
-    from ddp_template.distributed import DistInfo
     from ddp_template.logging import RankLogger
     from ddp_template.run_identity import RunInfo
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=60),
-    )
-    info = DistInfo(
-        rank=rank,
-        local_rank=rank,
-        world_size=WORLD,
-        local_world_size=WORLD,
-        backend="gloo",
-        device=torch.device("cpu"),
-        host="localhost",
-    )
+    join_gloo(rank, WORLD, port, timeout_s=60)
+    info = cpu_rank(rank, WORLD, backend="gloo")
     captured: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: captured.append(record.getMessage())  # type: ignore[method-assign]

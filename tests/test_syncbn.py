@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import socket
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import join_gloo
 from torch import Tensor, nn
 
 from ddp_template.sync_batchnorm import CpuSyncBatchNorm, convert_sync_batchnorm
@@ -233,13 +233,7 @@ def run_too_few_values(rank: int) -> str:
 
 def worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=30),
-    )
+    join_gloo(rank, WORLD, port, timeout_s=30)
     try:
         results = {"model": run_model_cases(rank), "layer": run_layer_cases(rank)}
         state = results["model"]["even_mean"]["state"]

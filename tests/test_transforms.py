@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import compose_conf
+from helpers import cpu_rank
 from test_resume import assert_identical, final_model, launch
 
 from ddp_template import boundary
 from ddp_template.data.datasets import build_splits
 from ddp_template.data.loader import build_train_loader, build_train_sampler
 from ddp_template.data.transforms import Augmented, apply_transforms
-from ddp_template.distributed import DistInfo
 
 AUGMENTED = ["transforms=cifar", "data.image_size=32"]  # after test_resume's BASE: 32 px
 
@@ -27,15 +27,7 @@ def _loaders(cfg, splits, world: int, workers: int) -> list:
     """Each rank's training sampler and loader at world size ``world``."""
     out = []
     for rank in range(world):
-        info = DistInfo(
-            rank=rank,
-            local_rank=rank,
-            world_size=world,
-            local_world_size=world,
-            backend=None,
-            device=torch.device("cpu"),
-            host="test",
-        )
+        info = cpu_rank(rank, world)
         sampler = build_train_sampler(splits.train, cfg.sampler, seed=cfg.seed, info=info)
         cfg_w = dataclasses.replace(cfg, num_workers=workers)
         out.append((sampler, build_train_loader(splits.train, sampler, cfg_w, info)))
