@@ -149,6 +149,7 @@ class Checkpointer:
             "sampler": [r["sampler"] for r in ranks],
             "rng": [r["rng"] for r in ranks],
             "world_size": self.info.world_size,
+            "accumulate": _accumulate(tr),
             "config": self.config_yaml,
             "best": self.best_record(),
         }
