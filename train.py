@@ -69,21 +69,6 @@ class Built(NamedTuple):
     final_loader: DataLoader  # eval_split's: the split summary.json reports
 
 
-def last_batch(cfg: Config, per_rank: int) -> int:
-    """The size of each rank's last training batch in an epoch (0 without training)."""
-    schedule = StepSchedule(
-        length=per_rank,
-        batch_size=cfg.batch_size,
-        epochs=cfg.epochs,
-        max_steps_per_epoch=cfg.max_steps_per_epoch,
-        drop_last_batch=cfg.sampler.drop_last_batch,
-    )
-    if schedule.total_steps == 0:
-        return 0
-    batch = schedule.batch(schedule.steps_per_epoch)
-    return batch.stop - batch.start
-
-
 def build(cfg: Config, info: distributed.DistInfo) -> Built:
     """Data (+augmentation) → sampler → loaders → model (+SyncBN) → EMA → DDP → compile →
     optimizer."""
@@ -95,9 +80,17 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     final_loader = {"test": eval_loader, "val": val_loader}.get(str(cfg.eval_split))
     if final_loader is None:
         final_loader = build_eval_loader(splits.split(str(cfg.eval_split)), cfg, info)
+    schedule = StepSchedule(  # optimizer steps: optim.accumulate micro-batches each
+        length=sampler.num_samples,
+        batch_size=cfg.batch_size,
+        epochs=cfg.epochs,
+        max_steps_per_epoch=cfg.max_steps_per_epoch,
+        drop_last_batch=cfg.sampler.drop_last_batch,
+        accumulate=cfg.optim.accumulate,
+    )
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, splits.info)
-    check_batch_statistics(model, splits.info, last_batch(cfg, len(sampler)))
+    check_batch_statistics(model, splits.info, schedule.last_micro_batch)
     if cfg.syncbn.enabled and info.distributed:
         model = convert_syncbn(model, info.device)  # before DDP registers the modules
     if cfg.channels_last:
@@ -108,14 +101,6 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     if cfg.compile:
         trained = compile_model(trained)  # after DDP, as DDP recommends
     optimizer = build_optimizer(cfg.optim, model)
-    schedule = StepSchedule(  # optimizer steps: optim.accumulate micro-batches each
-        length=sampler.num_samples,
-        batch_size=cfg.batch_size,
-        epochs=cfg.epochs,
-        max_steps_per_epoch=cfg.max_steps_per_epoch,
-        drop_last_batch=cfg.sampler.drop_last_batch,
-        accumulate=cfg.optim.accumulate,
-    )
     trainer = Trainer(
         model=trained,
         optimizer=optimizer,

@@ -125,3 +125,14 @@ def test_resume_with_another_accumulate_is_refused(tmp_path: Path) -> None:
     alone = cpu_rank(0, 1, backend=None)
     with pytest.raises(ConfigError, match=r"accumulate=2 but this run has optim.accumulate=3"):
         restore(found, SimpleNamespace(schedule=schedule), None, alone)
+
+
+def test_last_micro_batch_is_the_one_the_epoch_ends_with() -> None:
+    """What the batch-of-one probe checks: 100 positions in batches of 16 end with 4."""
+    assert StepSchedule(length=100, batch_size=16, epochs=1).last_micro_batch == 4
+    assert StepSchedule(length=100, batch_size=16, epochs=1, accumulate=3).last_micro_batch == 4
+    capped = StepSchedule(length=100, batch_size=16, epochs=1, accumulate=2, max_steps_per_epoch=2)
+    assert capped.last_micro_batch == 16  # the cap ends the epoch on a full micro-batch
+    dropped = StepSchedule(length=100, batch_size=16, epochs=1, drop_last_batch=True)
+    assert dropped.last_micro_batch == 16
+    assert StepSchedule(length=100, batch_size=16, epochs=0).last_micro_batch == 0

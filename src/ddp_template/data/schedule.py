@@ -90,6 +90,14 @@ class StepSchedule:
         """Positions of each rank's list that an epoch's steps read (a prefix of the list)."""
         return self.span(self.steps_per_epoch - 1)[1] if self.steps_per_epoch else 0
 
+    @property
+    def last_micro_batch(self) -> int:
+        """Samples in each rank's last micro-batch of an epoch (0 without training)."""
+        if self.total_steps == 0:
+            return 0
+        start, stop = self.span(self.steps_per_epoch - 1)
+        return (stop - start - 1) % self.batch_size + 1
+
     def batch(self, step: int) -> StepBatch:
         """The positions step ``step`` (1-based) consumed; ValueError outside the run."""
         if not 1 <= step <= self.total_steps:
