@@ -10,7 +10,6 @@ the two runs must end with the same weights up to float rounding. The same runs 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,8 +18,10 @@ from test_resume import assert_identical
 
 from ddp_template.checkpoint import Found, restore
 from ddp_template.data.schedule import StepSchedule
+from ddp_template.engine import TrainState
 from ddp_template.errors import ConfigError
 from ddp_template.models import small_cnn
+from ddp_template.progress import Progress
 from ddp_template.replay import load_run, step_rows
 
 BASE = [
@@ -82,7 +83,7 @@ def test_accumulation_equals_the_big_batch_and_resumes_bit_identically(tmp_path:
     launch(tmp_path, "acc", *ACCUMULATE)
     launch(tmp_path, "big", "batch_size=32")
     acc, big = last(tmp_path, "acc"), last(tmp_path, "big")
-    assert acc["step"] == big["step"] == 8
+    assert acc["progress"]["step"] == big["progress"]["step"] == 8
     for a, b in ((acc["model"], big["model"]), (acc["ema"]["model"], big["ema"]["model"])):
         worst = max((a[k] - b[k]).abs().max().item() for k in a)
         assert worst < 1e-6, f"accumulated and big-batch weights differ by {worst}"  # 6e-8 seen
@@ -107,7 +108,11 @@ def test_accumulation_equals_the_big_batch_and_resumes_bit_identically(tmp_path:
     proc = launch(tmp_path, "crash", *ACCUMULATE, *crash, check=False)
     assert proc.returncode != 0 and "fault injected: rank 1" in proc.stderr
     stopped = last(tmp_path, "crash")
-    assert (stopped["step"], stopped["epoch"], stopped["position"]) == (5, 1, 32)
+    assert (
+        stopped["progress"]["step"],
+        stopped["progress"]["epoch"],
+        stopped["progress"]["position"],
+    ) == (5, 1, 32)
     assert stopped["ema"]["updates"] == 5
     launch(tmp_path, "crash", *ACCUMULATE)
     resumed = last(tmp_path, "crash")
@@ -120,11 +125,13 @@ def test_accumulation_equals_the_big_batch_and_resumes_bit_identically(tmp_path:
 def test_resume_with_another_accumulate_is_refused(tmp_path: Path) -> None:
     """A mid-epoch position of K=2 need not be a step boundary of K=3: one sentence, no load."""
     path = tmp_path / "last.pt"
-    found = Found(path, {"world_size": 1, "accumulate": 2})
-    schedule = StepSchedule(length=100, batch_size=16, epochs=1, accumulate=3)
+    saved = Progress(state=TrainState(epoch=1, step=5, position=32), accumulate=2)
+    found = Found(path, {"world_size": 1, "progress": saved.state_dict(), "ranks": [{}]})
+    mine = {"progress": Progress(state=TrainState(), accumulate=3)}
     alone = cpu_rank(0, 1, backend=None)
     with pytest.raises(ConfigError, match=r"accumulate=2 but this run has optim.accumulate=3"):
-        restore(found, SimpleNamespace(schedule=schedule), None, alone)
+        restore(found, parts=mine, rank_parts={}, info=alone)
+    assert mine["progress"].state == TrainState()  # nothing loaded
 
 
 def test_last_micro_batch_is_the_one_the_epoch_ends_with() -> None:

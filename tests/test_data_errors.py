@@ -12,11 +12,12 @@ from conftest import compose_conf
 from helpers import run, train_cmd
 
 from ddp_template import boundary
-from ddp_template.checkpoint import FORMAT_VERSION, init_weights, save_atomic
+from ddp_template.checkpoint import FORMAT_VERSION, save_atomic
 from ddp_template.config import TransformsConfig
 from ddp_template.data.datasets import DataInfo, build_splits
 from ddp_template.data.transforms import apply_transforms
 from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
+from ddp_template.finetune import init_weights
 from ddp_template.models import check_batch_statistics, small_cnn, torchvision_model
 
 

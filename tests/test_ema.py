@@ -18,7 +18,8 @@ from ddp_template.data.datasets import synthetic
 from ddp_template.data.loader import build_eval_loader
 from ddp_template.distributed import DistInfo
 from ddp_template.ema import EMA, build_ema
-from ddp_template.engine import _step, evaluate
+from ddp_template.engine import _step
+from ddp_template.evaluation import evaluate
 from ddp_template.models import small_cnn
 from ddp_template.parallel import build_ddp
 

@@ -26,10 +26,11 @@ from omegaconf import DictConfig, OmegaConf
 from wandb_reader import find_runs
 
 from ddp_template import boundary
-from ddp_template.checkpoint import init_weights
 from ddp_template.data.datasets import build_splits
 from ddp_template.data.loader import build_eval_loader
-from ddp_template.engine import EvalResult, _step, evaluate
+from ddp_template.engine import _step
+from ddp_template.evaluation import EvalResult, evaluate
+from ddp_template.finetune import init_weights
 from ddp_template.models import build_model, small_cnn
 
 TINY = ["logger=none", "epochs=1", "max_steps_per_epoch=4"]
@@ -92,7 +93,7 @@ def test_checkpoint_evaluates_anywhere_and_fine_tunes(tmp_path: Path) -> None:
     assert summary(ft)["steps"] == 2  # a fresh run: step 0, epoch 0, a new optimizer
     assert f"initialised from {ckpt}: 14 tensors loaded" in proc.stdout + proc.stderr
     payload = torch.load(ft / "checkpoints" / "last.pt", weights_only=True)
-    assert payload["step"] == 2 and payload["world_size"] == 1
+    assert payload["progress"]["step"] == 2 and payload["world_size"] == 1
 
     # 10 classes -> 3: every tensor but the head is the checkpoint's, the head starts fresh.
     source = torch.load(ckpt, weights_only=True)["model"]
@@ -119,8 +120,12 @@ def test_best_checkpoint_holds_the_best_epoch_and_early_stop(tmp_path: Path) -> 
     best = max(range(len(accuracy)), key=lambda e: (accuracy[e], -e))  # the first best epoch
     assert len(rows) == best + 2 < 5, accuracy  # patience 1: stopped after one more epoch
     payload = torch.load(d / "checkpoints" / "best.pt", weights_only=True)
-    assert payload["best"] == {"monitor": "eval/accuracy", "value": accuracy[best], "epoch": best}
-    assert payload["epoch"] == best + 1
+    assert payload["selection"] == {
+        "monitor": "eval/accuracy",
+        "value": accuracy[best],
+        "epoch": best,
+    }
+    assert payload["progress"]["epoch"] == best + 1
     assert evaluate_here(d / "checkpoints" / "best.pt").accuracy == accuracy[best]
     (wb,) = find_runs(d)
     versions = [a for a in wb.artifacts if a["type"] == "model"]
@@ -183,7 +188,7 @@ def test_val_split_is_evaluated_each_epoch_and_test_once(tmp_path: Path) -> None
     s = summary(d)
     assert (s["eval_count"], s["val_size"], s["train_size"]) == (359, 360, 1078)
     assert s["eval_accuracy"] == test[0]["eval/accuracy"]
-    best = torch.load(d / "checkpoints" / "best.pt", weights_only=True)["best"]
+    best = torch.load(d / "checkpoints" / "best.pt", weights_only=True)["selection"]
     assert best["value"] == min(r["val/loss"] for r in val)
     # Any split at any world size: best.pt on the validation split, on 2 ranks.
     evaluated = ["epochs=0", "data.val_fraction=0.25", "eval_split=val", "dist.nproc=2"]

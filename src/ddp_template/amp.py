@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
 from ddp_template.config import AmpConfig, AmpMode
-from ddp_template.errors import ConfigError
+from ddp_template.errors import ConfigError, Misfit
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -63,3 +64,22 @@ def build_scaler(cfg: AmpConfig, device: torch.device) -> torch.amp.GradScaler:
         growth_interval=cfg.growth_interval,
         enabled=cfg.mode == AmpMode.fp16,
     )
+
+
+class ScalerState:
+    """The GradScaler as a checkpoint part; refuses another amp mode's state."""
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            self.scaler.load_state_dict(state)
+        except RuntimeError:
+            raise Misfit(
+                "it was written with another amp mode (its GradScaler state does not fit this "
+                "run's); resume with the amp mode it was written with, or resume=never."
+            ) from None

@@ -113,6 +113,10 @@ def check(cfg: Config) -> None:
     _check_launch(cfg)
     _check_logger(cfg)
     _check_loop(cfg)
+    for f in fields(cfg):  # a group's own checks live beside its schema, as its check()
+        own = getattr(getattr(cfg, f.name), "check", None)
+        if callable(own):
+            own()
     _require(
         cfg.fault.signal is None or hasattr(signal, str(cfg.fault.signal)),
         f"fault.signal={cfg.fault.signal} is not a signal name; use e.g. SIGTERM or SIGUSR1.",
@@ -203,7 +207,7 @@ def _check_logger(cfg: Config) -> None:
 
 
 def _check_loop(cfg: Config) -> None:
-    """Accumulation, DDP options, EMA, the profiler window."""
+    """Accumulation, DDP options, the profiler window."""
     acc = cfg.optim.accumulate
     _require(acc >= 1, f"optim.accumulate={acc} must be >= 1 (1: no accumulation); e.g. 2.")
     _require(
@@ -214,13 +218,6 @@ def _check_loop(cfg: Config) -> None:
     )
     cap = cfg.ddp.bucket_cap_mb
     _require(cap > 0, f"ddp.bucket_cap_mb={cap} must be positive; torch's default is 25.")
-    decay, ema = cfg.ema.decay, cfg.ema
-    _require(
-        decay is None or 0.0 < decay < 1.0,
-        f"ema.decay={decay} must be in (0, 1), e.g. 0.999, or null for no EMA.",
-    )
-    _require(ema.every >= 1, f"ema.every={ema.every} must be >= 1 (optimizer steps); e.g. 1.")
-    _require(ema.warmup >= 0, f"ema.warmup={ema.warmup} must be >= 0 (optimizer steps).")
     for key in ("wait", "warmup", "active"):
         value, least = getattr(cfg.profiler, key), 1 if key == "active" else 0
         _require(value >= least, f"profiler.{key}={value} must be >= {least} (optimizer steps).")

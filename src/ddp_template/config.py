@@ -18,6 +18,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from ddp_template.errors import ConfigError
+
 
 class Choice(str, Enum):
     """A closed set of choices; ``str(choice)`` is its plain value (what builders pass on)."""
@@ -321,6 +323,16 @@ class EmaConfig:
     decay: float | None = None  # None: no EMA; e.g. 0.999
     every: int = 1  # optimizer steps between EMA updates
     warmup: int = 0  # optimizer steps during which the EMA copies the weights (no averaging)
+
+    def check(self) -> None:
+        if self.decay is not None and not 0.0 < self.decay < 1.0:
+            raise ConfigError(
+                f"ema.decay={self.decay} must be in (0, 1), e.g. 0.999, or null for no EMA."
+            )
+        if self.every < 1:
+            raise ConfigError(f"ema.every={self.every} must be >= 1 (optimizer steps); e.g. 1.")
+        if self.warmup < 0:
+            raise ConfigError(f"ema.warmup={self.warmup} must be >= 0 (optimizer steps).")
 
 
 @dataclass

@@ -15,6 +15,11 @@ class ConfigError(ValueError):
     """Bad input detected at startup; the message is meant for the user as is."""
 
 
+class Misfit(ValueError):
+    """A checkpoint part's saved state that this run's part cannot take: one sentence, which
+    the checkpoint prefixes with the file's path."""
+
+
 def instantiate_clean(node: Any, **kwargs: Any) -> Any:
     """``hydra.utils.instantiate`` that lets our own one-sentence ConfigError through unwrapped."""
     from hydra.errors import InstantiationException

@@ -77,14 +77,8 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
     cfg = _config(run_dir)
     world = _world_size(run_dir, world_size)
     train = build_splits(cfg.data).train
-    schedule = StepSchedule(
-        length=SAMPLER_MODES[str(cfg.sampler.mode)].length(len(train), world),
-        batch_size=cfg.batch_size,
-        epochs=cfg.epochs,
-        max_steps_per_epoch=cfg.max_steps_per_epoch,
-        drop_last_batch=cfg.sampler.drop_last_batch,
-        accumulate=cfg.optim.accumulate,
-    )
+    length = SAMPLER_MODES[str(cfg.sampler.mode)].length(len(train), world)
+    schedule = StepSchedule.of_run(cfg, length)
     return Run(run_dir=run_dir, cfg=cfg, world_size=world, train=train, schedule=schedule)
 
 
