@@ -24,7 +24,8 @@ from ddp_template import boundary, distributed, faults, launch, numerics, run_id
 from ddp_template.amp import ScalerState, build_scaler
 from ddp_template.checkpoint import Checkpointer, resume_rank0
 from ddp_template.config import Config, register_configs
-from ddp_template.data.datasets import Splits, build_splits
+from ddp_template.console import setup_console
+from ddp_template.data.contract import Splits
 from ddp_template.data.loader import (
     build_eval_loader,
     build_train_loader,
@@ -33,6 +34,7 @@ from ddp_template.data.loader import (
 )
 from ddp_template.data.schedule import StepSchedule
 from ddp_template.data.shard_check import epoch_metrics, verify_epoch
+from ddp_template.data.splits import build_splits
 from ddp_template.data.transforms import apply_transforms
 from ddp_template.ema import build_ema
 from ddp_template.engine import (
@@ -46,7 +48,7 @@ from ddp_template.engine import (
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 from ddp_template.evaluation import EvalResult, Evaluation, build_evaluation
 from ddp_template.finetune import init_weights
-from ddp_template.logging import RankLogger, log, setup_console
+from ddp_template.logging import RankLogger, log
 from ddp_template.models import (
     Weights,
     build_model,
@@ -79,14 +81,21 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     compile → optimizer → evaluation."""
     splits = apply_transforms(build_splits(cfg.data), cfg.transforms, cfg.seed)
     sampler = build_train_sampler(splits.train, cfg.sampler, seed=cfg.seed, info=info)
-    loader = build_train_loader(splits.train, sampler, cfg, info)
+    loader = build_train_loader(
+        splits.train,
+        sampler,
+        cfg.loader,
+        seed=cfg.seed,
+        drop_last=cfg.sampler.drop_last_batch,
+        info=info,
+    )
     schedule = StepSchedule.of_run(cfg, sampler.num_samples)  # optim.accumulate micro-batches
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, splits.info)
     check_batch_statistics(model, splits.info, schedule.last_micro_batch)
     if cfg.syncbn.enabled and info.distributed:
         model = convert_syncbn(model, info.device)  # before DDP registers the modules
-    if cfg.channels_last:
+    if cfg.numerics.channels_last:
         numerics.to_channels_last(model)
     model.to(info.device)
     switches = research_switches(cfg, model, info)  # plain: never wrapped, never compiled
@@ -112,7 +121,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     evaluation = build_evaluation(
         final=str(cfg.eval_split),
         splits=splits,
-        loader=lambda dataset: build_eval_loader(dataset, cfg, info),
+        loader=lambda dataset: build_eval_loader(dataset, cfg.loader, info),
         model=model,
         ema=switches.get("ema"),
         info=info,
@@ -153,16 +162,14 @@ def checkpointer(
 
 def resume(cfg: Config, ckpt: Checkpointer, state: TrainState, model: torch.nn.Module) -> None:
     """Continue from the newest valid checkpoint (resume=auto), a given file, or not at all;
-    a fresh run may start from another run's weights (init_from)."""
+    a fresh run may start from another run's weights (finetune.init_from)."""
     found = resume_rank0(cfg.resume, ckpt.directory, ckpt.info)
     if found:
         ckpt.restore(found)
         log.info("resumed from %s at epoch %d, step %d", found.path, state.epoch, state.step)
-    elif cfg.init_from is not None:
-        report = init_weights(
-            cfg.init_from, model, ema=cfg.init_from_ema, strict=cfg.init_from_strict
-        )
-        log.info("initialised from %s: %s", cfg.init_from, describe_load(report))
+    elif cfg.finetune.init_from is not None:
+        report = init_weights(cfg.finetune, model)
+        log.info("initialised from %s: %s", cfg.finetune.init_from, describe_load(report))
 
 
 def fit(
@@ -253,7 +260,7 @@ def step_hook(
 
 def train(cfg: Config, run: run_identity.RunInfo) -> float:
     """One rank's whole run; returns the final eval accuracy (the sweep objective)."""
-    numerics.apply(cfg)  # before this rank's first CUDA work
+    numerics.apply(cfg.numerics)  # before this rank's first CUDA work
     info = distributed.setup(cfg.backend)
     setup_console(info, run.run_dir)
     log.info("%s", info.describe())
@@ -263,13 +270,13 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         config = boundary.plain(cfg)
         logger = RankLogger(cfg=cfg.logger, run=run, info=info, config=config)  # W&B starts
         built = build(cfg, info)  # ...while this builds
-        state, selection = TrainState(), build_selection(cfg.checkpoint, cfg.early_stop)
+        state, selection = TrainState(), build_selection(cfg.selection)
         yaml = OmegaConf.to_yaml(config)
         ckpt = checkpointer(cfg, built, state, selection, run.run_dir, yaml)
         resume(cfg, ckpt, state, built.trainer.module)
         logger.ready()  # every rank's W&B run exists before anyone logs
         logger.log_sizes(built.splits, state.step)
-        global_batch = cfg.batch_size * info.world_size * cfg.optim.accumulate
+        global_batch = cfg.loader.batch_size * info.world_size * cfg.optim.accumulate
         if info.is_main:
             log.info(
                 "effective global batch %d (batch_size x world size x accumulate)", global_batch

@@ -27,7 +27,7 @@ from ddp_template.replay import load_run, step_rows
 BASE = [
     "data=synthetic",
     "data.size=200",
-    "data.eval_size=40",
+    "data.test_size=40",
     "data.image_size=8",
     "epochs=2",
     "logger=none",
@@ -36,7 +36,7 @@ BASE = [
     "checkpoint.every_steps=1",
     "dist.nproc=2",
 ]
-ACCUMULATE = ["batch_size=16", "optim.accumulate=2"]
+ACCUMULATE = ["loader.batch_size=16", "optim.accumulate=2"]
 
 
 def launch(out: Path, run_id: str, *overrides: str, check: bool = True):
@@ -81,7 +81,7 @@ def test_default_norm_is_todays_network() -> None:
 @pytest.mark.slow
 def test_accumulation_equals_the_big_batch_and_resumes_bit_identically(tmp_path: Path) -> None:
     launch(tmp_path, "acc", *ACCUMULATE)
-    launch(tmp_path, "big", "batch_size=32")
+    launch(tmp_path, "big", "loader.batch_size=32")
     acc, big = last(tmp_path, "acc"), last(tmp_path, "big")
     assert acc["progress"]["step"] == big["progress"]["step"] == 8
     for a, b in ((acc["model"], big["model"]), (acc["ema"]["model"], big["ema"]["model"])):
@@ -99,8 +99,8 @@ def test_accumulation_equals_the_big_batch_and_resumes_bit_identically(tmp_path:
     assert {k: v for r in rows for k, v in r.items() if k == "train/global_batch"} == {
         "train/global_batch": 64
     }
-    ema_eval = [r for r in rows if "eval/ema_accuracy" in r]
-    assert len(ema_eval) == 2 and all(0 <= r["eval/ema_accuracy"] <= 1 for r in ema_eval)
+    ema_eval = [r for r in rows if "test/ema_accuracy" in r]
+    assert len(ema_eval) == 2 and all(0 <= r["test/ema_accuracy"] <= 1 for r in ema_eval)
     assert [r["data/batches"] for r in rows if "data/batches" in r] == [7, 7]
 
     # Rank 1 dies after step 6 (rank 0 is already in step 7's first, unsynced micro-batch).

@@ -77,7 +77,7 @@ def test_each_part_refuses_its_own_misfit(tmp_path: Path) -> None:
     needs_more = checkpointer(
         tmp_path, model=Weights(small_cnn(num_classes=3, in_channels=1, image_size=8))
     )
-    needs_more.parts["selection"] = Selection(monitor="eval/loss", mode="min", patience=None)
+    needs_more.parts["selection"] = Selection(monitor="test/loss", mode="min", patience=None)
     with pytest.raises(ConfigError, match=r"holds no selection part, which this run needs"):
         needs_more.restore(found)
     scaler = ScalerState(torch.amp.GradScaler("cpu", enabled=True))

@@ -26,11 +26,11 @@ from ddp_template.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 BASE = [
     "data=synthetic",
     "data.size=60",
-    "data.eval_size=20",
+    "data.test_size=20",
     "data.image_size=8",
-    "batch_size=4",
+    "loader.batch_size=4",
     "epochs=2",
-    "num_workers=2",
+    "loader.num_workers=2",
     "checkpoint.every_steps=1",
 ]
 # 60 samples / 2 ranks / batch 4 = 8 steps per epoch; step 11 is mid-way through epoch 1.
@@ -234,7 +234,7 @@ def test_torchrun_max_restarts_recovers_identically(reference, tmp_path: Path) -
     """torchrun's own restart (loader workers off: they are the SIGKILL tests' point, and the
     reference, which had them, must not depend on them)."""
     launcher = [*torchrun(2), "--max-restarts=1"]
-    overrides = ["logger=none", "num_workers=0", *CRASH]
+    overrides = ["logger=none", "loader.num_workers=0", *CRASH]
     launch(tmp_path, "elastic", *overrides, nproc_flag=False, launcher=launcher)
     assert_identical(reference["off"], final_model(tmp_path, "elastic"))
 

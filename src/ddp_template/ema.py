@@ -61,7 +61,7 @@ class EMA:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        """``model`` is the averaged module's state_dict (what ``init_from`` reads)."""
+        """``model`` is the averaged module's state_dict (what ``finetune.init_from`` reads)."""
         return {
             "model": self.module.state_dict(),
             "updates": self.updates,

@@ -15,6 +15,12 @@ class ConfigError(ValueError):
     """Bad input detected at startup; the message is meant for the user as is."""
 
 
+def require(ok: bool, message: str) -> None:
+    """A startup check: ``message`` (one sentence: key, value, fix) unless ``ok``."""
+    if not ok:
+        raise ConfigError(message)
+
+
 class Misfit(ValueError):
     """A checkpoint part's saved state that this run's part cannot take: one sentence, which
     the checkpoint prefixes with the file's path."""

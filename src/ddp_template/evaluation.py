@@ -24,7 +24,7 @@ from ddp_template.distributed import DistInfo, all_reduce_sum
 
 log = logging.getLogger("ddp_template")
 
-TOP_K = 5  # eval/top5, for data with at least this many classes
+TOP_K = 5  # test/top5, for data with at least this many classes
 
 
 @dataclass
@@ -59,7 +59,7 @@ class EvalResult:
             c / n if n else None for c, n in zip(self.class_correct, self.class_count, strict=True)
         ]
 
-    def metrics(self, prefix: str = "eval") -> dict[str, float]:
+    def metrics(self, prefix: str) -> dict[str, float]:
         """The per-epoch keys: <prefix>/accuracy, /loss, /correct and /top5 (>= 5 classes)."""
         out = {
             f"{prefix}/accuracy": self.accuracy,
@@ -71,7 +71,7 @@ class EvalResult:
         return out
 
     def summary(self, prefix: str = "eval") -> dict[str, Any]:
-        """summary.json's keys for this split."""
+        """summary.json's keys for the final evaluation (``eval_split`` names its split)."""
         out = {
             f"{prefix}_split": self.split,
             f"{prefix}_accuracy": self.accuracy,
@@ -144,7 +144,7 @@ def evaluate(
 
 TEST, VAL, TRAIN = "test", "val", "train"
 # The metric prefix of each split: <prefix>/accuracy, /loss, /correct, /top5.
-PREFIXES = {TEST: "eval", VAL: "val", TRAIN: "train"}
+PREFIXES = {TEST: "test", VAL: "val", TRAIN: "train"}
 
 
 class Split(NamedTuple):

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ddp_template.data.datasets import DataInfo
+from ddp_template.data.contract import DataInfo
 from ddp_template.errors import ConfigError, Misfit, instantiate_clean
 
 NORMS: dict[str, Callable[[int], list[nn.Module]]] = {

@@ -33,7 +33,7 @@ class Progress:
             raise Misfit(
                 f"it was written with optim.accumulate={k} but this run has "
                 f"optim.accumulate={mine}; resume with optim.accumulate={k}, or start a new "
-                f"run from its weights with init_from=<that checkpoint>."
+                f"run from its weights with finetune.init_from=<that checkpoint>."
             )
         self.state.epoch, self.state.step = saved["epoch"], saved["step"]
         self.state.position = saved["position"]

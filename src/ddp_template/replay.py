@@ -36,10 +36,10 @@ from torch.utils.data import Dataset, default_collate
 from ddp_template import boundary
 from ddp_template.checkpoint import load as load_checkpoint
 from ddp_template.config import Config
-from ddp_template.data.datasets import build_splits
 from ddp_template.data.loader import build_train_sampler
 from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
 from ddp_template.data.schedule import StepSchedule
+from ddp_template.data.splits import build_splits
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
 
@@ -189,7 +189,7 @@ def _print_step(run: Run, rows: list[dict[str, Any]], as_json: bool) -> None:
     print(
         f"{run.run_dir}: step {first['step']} of {run.schedule.total_steps} = epoch "
         f"{first['epoch']}, step {(first['step'] - 1) % k + 1} of {k}; {run.world_size} ranks, "
-        f"batch_size {run.cfg.batch_size} x accumulate {run.cfg.optim.accumulate}"
+        f"batch_size {run.cfg.loader.batch_size} x accumulate {run.cfg.optim.accumulate}"
     )
     for row in rows:
         print(f"rank {row['rank']}: epoch {row['epoch']}, position {row['position']}: ", end="")

@@ -1,5 +1,5 @@
-"""Best-so-far and early stopping: which epoch was best by ``checkpoint.monitor``, and when to
-stop for want of a better one (``early_stop.patience``).
+"""Best-so-far and early stopping (the ``selection`` group): which epoch was best by
+``selection.monitor``, and when to stop for want of a better one (``selection.patience``).
 
 A stateful part of the checkpoint: a resumed run continues the same record. Every rank holds
 the same all-reduced metrics, so every rank decides alike, with no collective of its own.
@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ddp_template.config import CheckpointConfig, EarlyStopConfig
+from ddp_template.config import SelectionConfig
 from ddp_template.errors import ConfigError
 
 log = logging.getLogger("ddp_template")
@@ -21,7 +21,7 @@ BEST_FILE = "best.pt"  # a copy of the checkpoint written at the best epoch's en
 
 @dataclass(kw_only=True)
 class Selection:
-    monitor: str | None  # a metric evaluated each epoch, e.g. eval/accuracy; None: no record
+    monitor: str | None  # a metric evaluated each epoch, e.g. test/accuracy; None: no record
     mode: str  # max or min
     patience: int | None  # epochs without a new best before stopping; None: never stop
     value: float | None = None  # the best value of ``monitor`` so far
@@ -33,7 +33,7 @@ class Selection:
             return False
         if self.monitor not in metrics:
             raise ConfigError(
-                f"checkpoint.monitor={self.monitor} is not logged by this run (it logs "
+                f"selection.monitor={self.monitor} is not logged by this run (it logs "
                 f"{sorted(metrics)}); monitor one of those."
             )
         value = float(metrics[self.monitor])
@@ -71,7 +71,6 @@ class Selection:
             self.value, self.epoch = state["value"], state["epoch"]
 
 
-def build_selection(checkpoint: CheckpointConfig, early_stop: EarlyStopConfig) -> Selection:
-    return Selection(
-        monitor=checkpoint.monitor, mode=str(checkpoint.mode), patience=early_stop.patience
-    )
+def build_selection(cfg: SelectionConfig) -> Selection:
+    """The ``selection`` group's builder."""
+    return Selection(monitor=cfg.monitor, mode=str(cfg.mode), patience=cfg.patience)

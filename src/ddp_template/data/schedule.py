@@ -56,7 +56,7 @@ class StepSchedule:
         the run's ``Config``, ``length`` its sampler's positions per rank."""
         return cls(
             length=length,
-            batch_size=cfg.batch_size,
+            batch_size=cfg.loader.batch_size,
             epochs=cfg.epochs,
             max_steps_per_epoch=cfg.max_steps_per_epoch,
             drop_last_batch=cfg.sampler.drop_last_batch,
