@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ddp_template import boundary, distributed, faults, launch, numerics, run_identity
-from ddp_template.amp import ScalerState, build_scaler
+from ddp_template.amp import build_scaler, scaler_part
 from ddp_template.checkpoint import Checkpointer, resume_rank0
 from ddp_template.config import Config, register_configs
 from ddp_template.console import setup_console
@@ -50,11 +50,11 @@ from ddp_template.evaluation import EvalResult, Evaluation, build_evaluation
 from ddp_template.finetune import init_weights
 from ddp_template.logging import RankLogger, log
 from ddp_template.models import (
-    Weights,
     build_model,
     check_batch_statistics,
     convert_syncbn,
     describe_load,
+    weights_part,
 )
 from ddp_template.optim import build_optimizer, build_scheduler
 from ddp_template.parallel import build_ddp, compile_model
@@ -143,10 +143,10 @@ def checkpointer(
     tr = built.trainer
     parts = {
         "progress": Progress(state=state, accumulate=cfg.optim.accumulate),
-        "model": Weights(tr.module),
+        "model": weights_part(tr.module),
         "optimizer": tr.optimizer,
         "scheduler": tr.scheduler,
-        "scaler": ScalerState(tr.scaler),
+        "scaler": scaler_part(tr.scaler),
         **built.switches,
         "selection": selection,
     }

@@ -12,12 +12,12 @@ import torch
 from helpers import cpu_rank
 
 from ddp_template import checkpoint
-from ddp_template.amp import ScalerState
+from ddp_template.amp import scaler_part
 from ddp_template.checkpoint import Checkpointer, Found, find_resume
 from ddp_template.config import CheckpointConfig, EmaConfig
 from ddp_template.ema import EMA
 from ddp_template.errors import ConfigError
-from ddp_template.models import Weights, small_cnn
+from ddp_template.models import small_cnn, weights_part
 from ddp_template.selection import Selection
 
 ONE = cpu_rank(0, 1)
@@ -49,38 +49,38 @@ def checkpointer(tmp_path: Path, **parts) -> Checkpointer:
 
 def test_parts_round_trip_by_name(tmp_path: Path) -> None:
     saved = checkpointer(
-        tmp_path, model=Weights(small_cnn(num_classes=3, in_channels=1, image_size=8))
+        tmp_path, model=weights_part(small_cnn(num_classes=3, in_channels=1, image_size=8))
     )
     saved.rank_parts["counter"].n = 7
     saved.save(copies=("best.pt",))
     payload = checkpoint.load(tmp_path / "best.pt")
     assert payload["ranks"] == [{"counter": {"n": 7}}] and payload["world_size"] == 1
     fresh = checkpointer(
-        tmp_path, model=Weights(small_cnn(num_classes=3, in_channels=1, image_size=8))
+        tmp_path, model=weights_part(small_cnn(num_classes=3, in_channels=1, image_size=8))
     )
     fresh.restore(find_resume("auto", tmp_path))
     assert fresh.rank_parts["counter"].n == 7
-    a, b = saved.parts["model"].module.state_dict(), fresh.parts["model"].module.state_dict()
+    a, b = saved.parts["model"].target.state_dict(), fresh.parts["model"].target.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_each_part_refuses_its_own_misfit(tmp_path: Path) -> None:
     checkpointer(
-        tmp_path, model=Weights(small_cnn(num_classes=3, in_channels=1, image_size=8))
+        tmp_path, model=weights_part(small_cnn(num_classes=3, in_channels=1, image_size=8))
     ).save()
     found = find_resume("auto", tmp_path)
     other = checkpointer(
-        tmp_path, model=Weights(small_cnn(num_classes=4, in_channels=1, image_size=8))
+        tmp_path, model=weights_part(small_cnn(num_classes=4, in_channels=1, image_size=8))
     )
     with pytest.raises(ConfigError, match=r"last.pt: it holds a different model .*resume=never"):
         other.restore(found)
     needs_more = checkpointer(
-        tmp_path, model=Weights(small_cnn(num_classes=3, in_channels=1, image_size=8))
+        tmp_path, model=weights_part(small_cnn(num_classes=3, in_channels=1, image_size=8))
     )
     needs_more.parts["selection"] = Selection(monitor="test/loss", mode="min", patience=None)
     with pytest.raises(ConfigError, match=r"holds no selection part, which this run needs"):
         needs_more.restore(found)
-    scaler = ScalerState(torch.amp.GradScaler("cpu", enabled=True))
+    scaler = scaler_part(torch.amp.GradScaler("cpu", enabled=True))
     with pytest.raises(ValueError, match="another amp mode"):
         scaler.load_state_dict(torch.amp.GradScaler("cpu", enabled=False).state_dict())
 
@@ -89,14 +89,14 @@ def test_a_part_that_can_start_fresh_does_and_an_extra_part_is_reported(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     model = small_cnn(num_classes=3, in_channels=1, image_size=8)
-    checkpointer(tmp_path, model=Weights(model), extra=Counter()).save()
+    checkpointer(tmp_path, model=weights_part(model), extra=Counter()).save()
     ema = EMA(
         model=small_cnn(num_classes=3, in_channels=1, image_size=8),
         cfg=EmaConfig(decay=0.9),
         info=ONE,
     )
     ema.updates = 3
-    resumed = checkpointer(tmp_path, model=Weights(ema.source), ema=ema)
+    resumed = checkpointer(tmp_path, model=weights_part(ema.source), ema=ema)
     with caplog.at_level("INFO", logger="ddp_template"):
         resumed.restore(find_resume("auto", tmp_path))
     assert "holds no ema part: the EMA starts from its weights" in caplog.text
@@ -114,7 +114,7 @@ def test_an_older_format_is_refused_naming_its_version(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="holds a different model"):
         checkpoint.restore(
             Found(old, {"world_size": 1, "model": {"x": torch.ones(1)}, "ranks": [{}]}),
-            parts={"model": Weights(small_cnn(num_classes=3, in_channels=1, image_size=8))},
+            parts={"model": weights_part(small_cnn(num_classes=3, in_channels=1, image_size=8))},
             rank_parts={},
             info=ONE,
         )

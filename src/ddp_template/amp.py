@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import torch
 
 from ddp_template.config import AmpConfig, AmpMode
-from ddp_template.errors import ConfigError, Misfit
+from ddp_template.errors import ConfigError, Guarded
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -66,20 +65,12 @@ def build_scaler(cfg: AmpConfig, device: torch.device) -> torch.amp.GradScaler:
     )
 
 
-class ScalerState:
+def scaler_part(scaler: torch.amp.GradScaler) -> Guarded:
     """The GradScaler as a checkpoint part; refuses another amp mode's state."""
-
-    def __init__(self, scaler: torch.amp.GradScaler) -> None:
-        self.scaler = scaler
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        try:
-            self.scaler.load_state_dict(state)
-        except RuntimeError:
-            raise Misfit(
-                "it was written with another amp mode (its GradScaler state does not fit this "
-                "run's); resume with the amp mode it was written with, or resume=never."
-            ) from None
+    return Guarded(
+        scaler,
+        lambda _: (
+            "it was written with another amp mode (its GradScaler state does not fit this "
+            "run's); resume with the amp mode it was written with, or resume=never."
+        ),
+    )

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ddp_template.data.contract import DataInfo
-from ddp_template.errors import ConfigError, Misfit, instantiate_clean
+from ddp_template.errors import ConfigError, Guarded, instantiate_clean
 
 NORMS: dict[str, Callable[[int], list[nn.Module]]] = {
     "batch": lambda c: [nn.BatchNorm2d(c)],
@@ -271,20 +271,12 @@ def convert_syncbn(model: nn.Module, device: torch.device) -> nn.Module:
     return convert_sync_batchnorm(model, device_type=device.type)
 
 
-class Weights:
+def weights_part(module: nn.Module) -> Guarded:
     """The model's weights as a checkpoint part; refuses another model's."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.module.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        try:
-            self.module.load_state_dict(state)
-        except RuntimeError as exc:
-            raise Misfit(
-                f"it holds a different model ({str(exc).splitlines()[0][:100]}); resume with "
-                f"the model config it was written with, or resume=never."
-            ) from None
+    return Guarded(
+        module,
+        lambda torch_says: (
+            f"it holds a different model ({torch_says}); resume with the model "
+            f"config it was written with, or resume=never."
+        ),
+    )
