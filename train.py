@@ -73,6 +73,7 @@ class Built(NamedTuple):
     trainer: Trainer
     splits: Splits
     evaluation: Evaluation
+    selection: Selection
     switches: dict[str, Any]  # the research-loop switches that are on, by name
 
 
@@ -127,7 +128,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         info=info,
         amp_mode=str(cfg.amp.mode),
     )
-    return Built(trainer, splits, evaluation, switches)
+    return Built(trainer, splits, evaluation, build_selection(cfg.selection), switches)
 
 
 def research_switches(cfg: Config, model: torch.nn.Module, info: distributed.DistInfo) -> dict:
@@ -137,7 +138,7 @@ def research_switches(cfg: Config, model: torch.nn.Module, info: distributed.Dis
 
 
 def checkpointer(
-    cfg: Config, built: Built, state: TrainState, selection: Selection, run_dir: Path, yaml: str
+    cfg: Config, built: Built, state: TrainState, run_dir: Path, yaml: str
 ) -> Checkpointer:
     """The checkpoint's named parts: restored in this order, each refusing its own misfit."""
     tr = built.trainer
@@ -148,7 +149,7 @@ def checkpointer(
         "scheduler": tr.scheduler,
         "scaler": scaler_part(tr.scaler),
         **built.switches,
-        "selection": selection,
+        "selection": built.selection,
     }
     return Checkpointer(
         directory=run_dir / "checkpoints",
@@ -173,16 +174,11 @@ def resume(cfg: Config, ckpt: Checkpointer, state: TrainState, model: torch.nn.M
 
 
 def fit(
-    cfg: Config,
-    built: Built,
-    state: TrainState,
-    selection: Selection,
-    ckpt: Checkpointer,
-    logger: RankLogger,
+    cfg: Config, built: Built, state: TrainState, ckpt: Checkpointer, logger: RankLogger
 ) -> EvalResult:
     """The epoch loop: set_epoch → train → account for the data → evaluate → select →
     checkpoint → log → stop?"""
-    tr, info = built.trainer, built.trainer.info
+    tr, info, selection = built.trainer, built.trainer.info, built.selection
     every = cfg.checkpoint.preempt_check_every
     preempt = Preemption(info=info, every=every, run_id=logger.run.run_id)
     profiler = StepProfiler(cfg=cfg.profiler, run_dir=logger.run.run_dir, info=info)
@@ -270,9 +266,8 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         config = boundary.plain(cfg)
         logger = RankLogger(cfg=cfg.logger, run=run, info=info, config=config)  # W&B starts
         built = build(cfg, info)  # ...while this builds
-        state, selection = TrainState(), build_selection(cfg.selection)
-        yaml = OmegaConf.to_yaml(config)
-        ckpt = checkpointer(cfg, built, state, selection, run.run_dir, yaml)
+        state = TrainState()
+        ckpt = checkpointer(cfg, built, state, run.run_dir, OmegaConf.to_yaml(config))
         resume(cfg, ckpt, state, built.trainer.module)
         logger.ready()  # every rank's W&B run exists before anyone logs
         logger.log_sizes(built.splits, state.step)
@@ -283,7 +278,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
             )
             logger.log({"train/global_batch": global_batch}, state.step)
         picture = draw_shards_async(built.trainer.sampler, run.run_dir) if info.is_main else None
-        result = fit(cfg, built, state, selection, ckpt, logger)
+        result = fit(cfg, built, state, ckpt, logger)
         logger.finish_run(result, built.splits, state.step, picture)
         exit_code = 0
         return result.accuracy
