@@ -13,18 +13,19 @@ maps the modules.
 from __future__ import annotations
 
 import sys
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import DataLoader
 
 from ddp_template import boundary, distributed, faults, launch, numerics, run_identity
-from ddp_template.amp import build_scaler
-from ddp_template.checkpoint import Checkpointer, init_weights, restore, resume_rank0
+from ddp_template.amp import build_scaler, scaler_part
+from ddp_template.checkpoint import Checkpointer, resume_rank0
 from ddp_template.config import Config, register_configs
-from ddp_template.data.datasets import Splits, build_splits
+from ddp_template.console import setup_console
+from ddp_template.data.contract import Splits
 from ddp_template.data.loader import (
     build_eval_loader,
     build_train_loader,
@@ -33,28 +34,35 @@ from ddp_template.data.loader import (
 )
 from ddp_template.data.schedule import StepSchedule
 from ddp_template.data.shard_check import epoch_metrics, verify_epoch
+from ddp_template.data.splits import build_splits
 from ddp_template.data.transforms import apply_transforms
 from ddp_template.ema import build_ema
 from ddp_template.engine import (
-    EvalResult,
+    EpochStats,
+    StepHook,
     Trainer,
     TrainState,
-    evaluate,
     steps_this_epoch,
     train_one_epoch,
 )
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
-from ddp_template.logging import RankLogger, log, setup_console
+from ddp_template.evaluation import EvalResult, Evaluation, build_evaluation
+from ddp_template.finetune import init_weights
+from ddp_template.logging import RankLogger, log
 from ddp_template.models import (
     build_model,
     check_batch_statistics,
     convert_syncbn,
     describe_load,
+    weights_part,
 )
 from ddp_template.optim import build_optimizer, build_scheduler
 from ddp_template.parallel import build_ddp, compile_model
 from ddp_template.preemption import Preemption
 from ddp_template.profiling import StepProfiler
+from ddp_template.progress import Progress, SamplerPosition
+from ddp_template.rng import RngState
+from ddp_template.selection import Selection, build_selection
 from ddp_template.shard_plot import draw_shards_async
 
 register_configs()
@@ -64,39 +72,34 @@ run_identity.register_resolvers()
 class Built(NamedTuple):
     trainer: Trainer
     splits: Splits
-    eval_loader: DataLoader  # the test split
-    val_loader: DataLoader | None  # data.val_fraction > 0: evaluated each epoch instead
-    final_loader: DataLoader  # eval_split's: the split summary.json reports
+    evaluation: Evaluation
+    selection: Selection
+    switches: dict[str, Any]  # the research-loop switches that are on, by name
 
 
 def build(cfg: Config, info: distributed.DistInfo) -> Built:
-    """Data (+augmentation) → sampler → loaders → model (+SyncBN) → EMA → DDP → compile →
-    optimizer."""
+    """Data (+augmentation) → sampler → loaders → model (+SyncBN) → switches (EMA) → DDP →
+    compile → optimizer → evaluation."""
     splits = apply_transforms(build_splits(cfg.data), cfg.transforms, cfg.seed)
     sampler = build_train_sampler(splits.train, cfg.sampler, seed=cfg.seed, info=info)
-    loader = build_train_loader(splits.train, sampler, cfg, info)
-    eval_loader = build_eval_loader(splits.eval, cfg, info)
-    val_loader = build_eval_loader(splits.val, cfg, info) if splits.val is not None else None
-    final_loader = {"test": eval_loader, "val": val_loader}.get(str(cfg.eval_split))
-    if final_loader is None:
-        final_loader = build_eval_loader(splits.split(str(cfg.eval_split)), cfg, info)
-    schedule = StepSchedule(  # optimizer steps: optim.accumulate micro-batches each
-        length=sampler.num_samples,
-        batch_size=cfg.batch_size,
-        epochs=cfg.epochs,
-        max_steps_per_epoch=cfg.max_steps_per_epoch,
-        drop_last_batch=cfg.sampler.drop_last_batch,
-        accumulate=cfg.optim.accumulate,
+    loader = build_train_loader(
+        splits.train,
+        sampler,
+        cfg.loader,
+        seed=cfg.seed,
+        drop_last=cfg.sampler.drop_last_batch,
+        info=info,
     )
+    schedule = StepSchedule.of_run(cfg, sampler.num_samples)  # optim.accumulate micro-batches
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, splits.info)
     check_batch_statistics(model, splits.info, schedule.last_micro_batch)
     if cfg.syncbn.enabled and info.distributed:
         model = convert_syncbn(model, info.device)  # before DDP registers the modules
-    if cfg.channels_last:
+    if cfg.numerics.channels_last:
         numerics.to_channels_last(model)
     model.to(info.device)
-    ema = build_ema(cfg.ema, model, info)  # a plain copy: never wrapped, never compiled
+    switches = research_switches(cfg, model, info)  # plain: never wrapped, never compiled
     trained = build_ddp(cfg.ddp, model, info)
     if cfg.compile:
         trained = compile_model(trained)  # after DDP, as DDP recommends
@@ -113,120 +116,147 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         grad_clip=cfg.optim.grad_clip,
         log_every=cfg.log_every,
         schedule=schedule,
-        ema=ema,
         keep_indices=len(splits.train) <= cfg.shard_report_max_n,
         label_smoothing=cfg.loss.label_smoothing,
     )
-    return Built(trainer, splits, eval_loader, val_loader, final_loader)
+    evaluation = build_evaluation(
+        final=str(cfg.eval_split),
+        splits=splits,
+        loader=lambda dataset: build_eval_loader(dataset, cfg.loader, info),
+        model=model,
+        ema=switches.get("ema"),
+        info=info,
+        amp_mode=str(cfg.amp.mode),
+    )
+    return Built(trainer, splits, evaluation, build_selection(cfg.selection), switches)
 
 
-def resume(cfg: Config, ckpt: Checkpointer) -> TrainState:
+def research_switches(cfg: Config, model: torch.nn.Module, info: distributed.DistInfo) -> dict:
+    """The switches that are on: each a checkpoint part with ``after_step(state)``."""
+    on = {"ema": build_ema(cfg.ema, model, info)}
+    return {name: switch for name, switch in on.items() if switch is not None}
+
+
+def checkpointer(
+    cfg: Config, built: Built, state: TrainState, run_dir: Path, yaml: str
+) -> Checkpointer:
+    """The checkpoint's named parts: restored in this order, each refusing its own misfit."""
+    tr = built.trainer
+    parts = {
+        "progress": Progress(state=state, accumulate=cfg.optim.accumulate),
+        "model": weights_part(tr.module),
+        "optimizer": tr.optimizer,
+        "scheduler": tr.scheduler,
+        "scaler": scaler_part(tr.scaler),
+        **built.switches,
+        "selection": built.selection,
+    }
+    return Checkpointer(
+        directory=run_dir / "checkpoints",
+        cfg=cfg.checkpoint,
+        parts=parts,
+        rank_parts={"sampler": SamplerPosition(sampler=tr.sampler, state=state), "rng": RngState()},
+        config_yaml=yaml,
+        info=tr.info,
+    )
+
+
+def resume(cfg: Config, ckpt: Checkpointer, state: TrainState, model: torch.nn.Module) -> None:
     """Continue from the newest valid checkpoint (resume=auto), a given file, or not at all;
-    a fresh run may start from another run's weights (init_from)."""
-    state = TrainState()
+    a fresh run may start from another run's weights (finetune.init_from)."""
     found = resume_rank0(cfg.resume, ckpt.directory, ckpt.info)
     if found:
-        restore(found, ckpt.trainer, state, ckpt.info)
-        ckpt.restore_best(found.payload)
+        ckpt.restore(found)
         log.info("resumed from %s at epoch %d, step %d", found.path, state.epoch, state.step)
-    elif cfg.init_from is not None:
-        report = init_weights(
-            cfg.init_from,
-            ckpt.trainer.module,
-            ema=cfg.init_from_ema,
-            strict=cfg.init_from_strict,
-        )
-        log.info("initialised from %s: %s", cfg.init_from, describe_load(report))
-    return state
+    elif cfg.finetune.init_from is not None:
+        report = init_weights(cfg.finetune, model)
+        log.info("initialised from %s: %s", cfg.finetune.init_from, describe_load(report))
 
 
 def fit(
     cfg: Config, built: Built, state: TrainState, ckpt: Checkpointer, logger: RankLogger
 ) -> EvalResult:
-    """The epoch loop: set_epoch → train → account for the data → evaluate → checkpoint."""
-    tr, info = built.trainer, built.trainer.info
+    """The epoch loop: set_epoch → train → account for the data → evaluate → select →
+    checkpoint → log → stop?"""
+    tr, info, selection = built.trainer, built.trainer.info, built.selection
     every = cfg.checkpoint.preempt_check_every
     preempt = Preemption(info=info, every=every, run_id=logger.run.run_id)
     profiler = StepProfiler(cfg=cfg.profiler, run_dir=logger.run.run_dir, info=info)
-    classes = built.splits.info.num_classes
-    # Each epoch evaluates the validation split when there is one; the test split then once.
-    per_epoch, split = (
-        (built.val_loader, "val") if built.val_loader else (built.eval_loader, "eval")
-    )
-    patience = cfg.early_stop.patience
-
-    def after_step(s: TrainState) -> bool:
-        logger.step()
-        profiler.step()
-        faults.maybe_fire(cfg.fault, s.step, info.rank)
-        stop = preempt.requested(s.step)  # a signal on any rank stops all at one step
-        if stop or ckpt.due(s.step):
-            ckpt.save(s)
-        return stop
-
-    result = None
+    on_step = step_hook(cfg, built, ckpt, logger, preempt, profiler)
     try:
         for epoch in range(state.epoch, cfg.epochs):
-            if patience is not None and ckpt.stale_epochs(epoch - 1) >= patience:
-                log.info(
-                    "early stop before epoch %d: no better %s for %d epochs (best %.6g at "
-                    "epoch %d)",
-                    epoch,
-                    cfg.checkpoint.monitor,
-                    patience,
-                    ckpt.best_value,
-                    ckpt.best_epoch,
-                )
+            if selection.stops_before(epoch):
                 break
             state.epoch, start = epoch, state.position
-            tr.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-            built.splits.set_epoch(epoch)  # augmentation draws from (seed, epoch, index)
-            reseed_for_epoch(tr.loader, cfg.seed, info.rank, epoch)
+            set_epoch(cfg, built, epoch)
             logger.start_epoch(epoch, steps_this_epoch(tr, state))
-            stats = train_one_epoch(tr, state, after_step, logger.log_interval)
+            stats = train_one_epoch(tr, state, on_step, logger.log_interval)
             logger.end_epoch()
-            metrics = epoch_metrics(stats, tr.sampler, start, epoch)
-            logger.log_epoch(metrics, state.step)  # a collective with one W&B run
-            report = verify_epoch(stats, tr.sampler, start, metrics, info)  # a collective
-            if report is not None:
-                logger.log_shard_report(report, epoch, state.step)
+            account(stats, tr, start, epoch, state.step, logger)
             if stats.stopped:
                 preempt.stop(state.step, ckpt.last)  # checkpointed: a requeue continues
-            result = evaluate(tr.module, per_epoch, info, tr.amp_mode, num_classes=classes)
-            logger.log_eval(result, epoch, state.step, split)
-            if tr.ema is not None:  # the averaged weights, evaluated as exactly
-                ema = evaluate(tr.ema.module, per_epoch, info, tr.amp_mode, num_classes=classes)
-                logger.log(_ema_metrics(ema, split), state.step)
+            metrics = built.evaluation.epoch(epoch, state.step, logger)
             state.epoch, state.position = epoch + 1, 0
-            best = ckpt.improves(result.metrics(split), epoch)
-            saved = ckpt.save(state, epoch_end=True, best=best)
-            for kind, path in (("last", saved.last), ("best", saved.best)):
+            copies = selection.copies(selection.observe(metrics, epoch))
+            saved = ckpt.save(epochs_done=state.epoch, copies=copies)
+            for kind, path in {"last": saved.last, **saved.copies}.items():
                 logger.log_checkpoint(
-                    path, kind=kind, step=state.step, epoch=epoch, metrics=result.metrics(split)
+                    path, kind=kind, step=state.step, epoch=epoch, metrics=metrics
                 )
             if epoch + 1 < cfg.epochs and preempt.sync():  # a signal late in the epoch
                 preempt.stop(state.step, ckpt.last)
     finally:
         profiler.close()
         preempt.close()
-    if result is None or split == "val" or cfg.eval_split != "test":
-        # epochs=0, a finished run resumed, a val split, or the final eval on another split
-        result = evaluate(tr.module, built.final_loader, info, tr.amp_mode, num_classes=classes)
-        if split == "val" and cfg.eval_split == "test":
-            logger.log_eval(result, state.epoch, state.step, "eval")
-    result.split = str(cfg.eval_split)
-    return result
+    return built.evaluation.at_end(state.epoch, state.step, logger)
 
 
-def _ema_metrics(result: EvalResult, split: str) -> dict[str, float]:
-    """The EMA's eval under ``<split>/ema_<metric>`` (eval/ema_accuracy, …)."""
-    log.info("EMA %s accuracy %.4f, loss %.4f", split, result.accuracy, result.loss)
-    return {k.replace("/", "/ema_", 1): v for k, v in result.metrics(split).items()}
+def set_epoch(cfg: Config, built: Built, epoch: int) -> None:
+    tr = built.trainer
+    tr.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+    built.splits.set_epoch(epoch)  # augmentation draws from (seed, epoch, index)
+    reseed_for_epoch(tr.loader, cfg.seed, tr.info.rank, epoch)
+
+
+def account(
+    stats: EpochStats, tr: Trainer, start: int, epoch: int, step: int, logger: RankLogger
+) -> None:
+    """Log this rank's epoch and check every rank's data against the sampler mode."""
+    metrics = epoch_metrics(stats, tr.sampler, start, epoch)
+    logger.log_epoch(metrics, step)  # a collective with one W&B run
+    report = verify_epoch(stats, tr.sampler, start, metrics, tr.info)  # a collective
+    if report is not None:
+        logger.log_shard_report(report, epoch, step)
+
+
+def step_hook(
+    cfg: Config,
+    built: Built,
+    ckpt: Checkpointer,
+    logger: RankLogger,
+    preempt: Preemption,
+    profiler: StepProfiler,
+) -> StepHook:
+    """After every optimizer step: the switches, the logs, faults, preemption, checkpoints."""
+    switches, rank = list(built.switches.values()), built.trainer.info.rank
+
+    def after_step(s: TrainState) -> bool:
+        for switch in switches:
+            switch.after_step(s)
+        logger.step()
+        profiler.step()
+        faults.maybe_fire(cfg.fault, s.step, rank)
+        stop = preempt.requested(s.step)  # a signal on any rank stops all at one step
+        if stop or ckpt.due(s.step):
+            ckpt.save()
+        return stop
+
+    return after_step
 
 
 def train(cfg: Config, run: run_identity.RunInfo) -> float:
     """One rank's whole run; returns the final eval accuracy (the sweep objective)."""
-    numerics.apply(cfg)  # before this rank's first CUDA work
+    numerics.apply(cfg.numerics)  # before this rank's first CUDA work
     info = distributed.setup(cfg.backend)
     setup_console(info, run.run_dir)
     log.info("%s", info.describe())
@@ -236,17 +266,12 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         config = boundary.plain(cfg)
         logger = RankLogger(cfg=cfg.logger, run=run, info=info, config=config)  # W&B starts
         built = build(cfg, info)  # ...while this builds
-        ckpt = Checkpointer(
-            directory=run.run_dir / "checkpoints",
-            cfg=cfg.checkpoint,
-            trainer=built.trainer,
-            config_yaml=OmegaConf.to_yaml(config),
-            info=info,
-        )
-        state = resume(cfg, ckpt)
+        state = TrainState()
+        ckpt = checkpointer(cfg, built, state, run.run_dir, OmegaConf.to_yaml(config))
+        resume(cfg, ckpt, state, built.trainer.module)
         logger.ready()  # every rank's W&B run exists before anyone logs
         logger.log_sizes(built.splits, state.step)
-        global_batch = cfg.batch_size * info.world_size * cfg.optim.accumulate
+        global_batch = cfg.loader.batch_size * info.world_size * cfg.optim.accumulate
         if info.is_main:
             log.info(
                 "effective global batch %d (batch_size x world size x accumulate)", global_batch

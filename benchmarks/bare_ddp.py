@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
-from ddp_template.data.datasets import digits, synthetic  # noqa: E402
+from ddp_template.data.builtin import digits, synthetic  # noqa: E402
 from ddp_template.models import resnet18, small_cnn  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def main() -> None:
     dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR/PORT from torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    splits = digits() if args.data == "digits" else synthetic(size=args.size, eval_size=1)
+    splits = digits() if args.data == "digits" else synthetic(size=args.size, test_size=1)
     train, info = splits.train, splits.info
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler)

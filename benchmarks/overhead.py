@@ -113,7 +113,7 @@ def run_once(variant: str, args: argparse.Namespace, work: Path, tag: str) -> di
         cmd = ["train.py", f"logger={logger}", f"paths.output_root={work}", *args.overrides]
         if variant == "resnet_wandb":
             cmd += ["model=resnet18", "data=synthetic", f"data.size={RESNET_SIZE}"]
-            cmd += ["data.eval_size=128", f"batch_size={RESNET_BATCH}"]
+            cmd += ["data.test_size=128", f"loader.batch_size={RESNET_BATCH}"]
             epochs = epochs or RESNET_EPOCHS
         if epochs is not None:
             cmd.append(f"epochs={epochs}")

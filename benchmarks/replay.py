@@ -62,7 +62,7 @@ def write_run(folder: Path, overrides: list[str]) -> Path:
     from ddp_template.config import register_configs
 
     register_configs()
-    base = ["data=synthetic", "batch_size=32", "seed=7", "logger=none"]
+    base = ["data=synthetic", "loader.batch_size=32", "seed=7", "logger=none"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=base + overrides)
     (folder / ".hydra").mkdir(parents=True)

@@ -10,7 +10,6 @@ the two runs must end with the same weights up to float rounding. The same runs 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,14 +18,16 @@ from test_resume import assert_identical
 
 from ddp_template.checkpoint import Found, restore
 from ddp_template.data.schedule import StepSchedule
+from ddp_template.engine import TrainState
 from ddp_template.errors import ConfigError
 from ddp_template.models import small_cnn
+from ddp_template.progress import Progress
 from ddp_template.replay import load_run, step_rows
 
 BASE = [
     "data=synthetic",
     "data.size=200",
-    "data.eval_size=40",
+    "data.test_size=40",
     "data.image_size=8",
     "epochs=2",
     "logger=none",
@@ -35,7 +36,7 @@ BASE = [
     "checkpoint.every_steps=1",
     "dist.nproc=2",
 ]
-ACCUMULATE = ["batch_size=16", "optim.accumulate=2"]
+ACCUMULATE = ["loader.batch_size=16", "optim.accumulate=2"]
 
 
 def launch(out: Path, run_id: str, *overrides: str, check: bool = True):
@@ -80,9 +81,9 @@ def test_default_norm_is_todays_network() -> None:
 @pytest.mark.slow
 def test_accumulation_equals_the_big_batch_and_resumes_bit_identically(tmp_path: Path) -> None:
     launch(tmp_path, "acc", *ACCUMULATE)
-    launch(tmp_path, "big", "batch_size=32")
+    launch(tmp_path, "big", "loader.batch_size=32")
     acc, big = last(tmp_path, "acc"), last(tmp_path, "big")
-    assert acc["step"] == big["step"] == 8
+    assert acc["progress"]["step"] == big["progress"]["step"] == 8
     for a, b in ((acc["model"], big["model"]), (acc["ema"]["model"], big["ema"]["model"])):
         worst = max((a[k] - b[k]).abs().max().item() for k in a)
         assert worst < 1e-6, f"accumulated and big-batch weights differ by {worst}"  # 6e-8 seen
@@ -98,8 +99,8 @@ def test_accumulation_equals_the_big_batch_and_resumes_bit_identically(tmp_path:
     assert {k: v for r in rows for k, v in r.items() if k == "train/global_batch"} == {
         "train/global_batch": 64
     }
-    ema_eval = [r for r in rows if "eval/ema_accuracy" in r]
-    assert len(ema_eval) == 2 and all(0 <= r["eval/ema_accuracy"] <= 1 for r in ema_eval)
+    ema_eval = [r for r in rows if "test/ema_accuracy" in r]
+    assert len(ema_eval) == 2 and all(0 <= r["test/ema_accuracy"] <= 1 for r in ema_eval)
     assert [r["data/batches"] for r in rows if "data/batches" in r] == [7, 7]
 
     # Rank 1 dies after step 6 (rank 0 is already in step 7's first, unsynced micro-batch).
@@ -107,7 +108,11 @@ def test_accumulation_equals_the_big_batch_and_resumes_bit_identically(tmp_path:
     proc = launch(tmp_path, "crash", *ACCUMULATE, *crash, check=False)
     assert proc.returncode != 0 and "fault injected: rank 1" in proc.stderr
     stopped = last(tmp_path, "crash")
-    assert (stopped["step"], stopped["epoch"], stopped["position"]) == (5, 1, 32)
+    assert (
+        stopped["progress"]["step"],
+        stopped["progress"]["epoch"],
+        stopped["progress"]["position"],
+    ) == (5, 1, 32)
     assert stopped["ema"]["updates"] == 5
     launch(tmp_path, "crash", *ACCUMULATE)
     resumed = last(tmp_path, "crash")
@@ -120,11 +125,13 @@ def test_accumulation_equals_the_big_batch_and_resumes_bit_identically(tmp_path:
 def test_resume_with_another_accumulate_is_refused(tmp_path: Path) -> None:
     """A mid-epoch position of K=2 need not be a step boundary of K=3: one sentence, no load."""
     path = tmp_path / "last.pt"
-    found = Found(path, {"world_size": 1, "accumulate": 2})
-    schedule = StepSchedule(length=100, batch_size=16, epochs=1, accumulate=3)
+    saved = Progress(state=TrainState(epoch=1, step=5, position=32), accumulate=2)
+    found = Found(path, {"world_size": 1, "progress": saved.state_dict(), "ranks": [{}]})
+    mine = {"progress": Progress(state=TrainState(), accumulate=3)}
     alone = cpu_rank(0, 1, backend=None)
     with pytest.raises(ConfigError, match=r"accumulate=2 but this run has optim.accumulate=3"):
-        restore(found, SimpleNamespace(schedule=schedule), None, alone)
+        restore(found, parts=mine, rank_parts={}, info=alone)
+    assert mine["progress"].state == TrainState()  # nothing loaded
 
 
 def test_last_micro_batch_is_the_one_the_epoch_ends_with() -> None:

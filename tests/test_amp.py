@@ -121,7 +121,7 @@ def test_fp16_run_learns_with_finite_loss(fp16_run: dict[str, Any]) -> None:
 def test_fp16_checkpoint_holds_the_grown_scale(fp16_run: dict[str, Any]) -> None:
     ckpt = fp16_run["checkpoint"]
     steps = 2 * DIGITS_STEPS_PER_EPOCH
-    assert ckpt["step"] == fp16_run["summary"]["steps"] == steps
+    assert ckpt["progress"]["step"] == fp16_run["summary"]["steps"] == steps
     scale = ckpt["scaler"]["scale"]
     assert isinstance(scale, float) and scale > FP16_SCALER["init_scale"]
     assert ckpt["scaler"] == clean_scaler_state(steps, **FP16_SCALER)  # scale 16, tracker 6

@@ -9,14 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from ddp_template.data.datasets import (
-    Batch,
-    BatchFetch,
-    IndexedSubset,
-    IndexedTensors,
-    collate,
-    synthetic,
-)
+from ddp_template.data.builtin import synthetic
+from ddp_template.data.contract import Batch, BatchFetch, IndexedSubset, IndexedTensors, collate
 
 
 def _batches(dataset: Dataset, collate_fn=None) -> list:
@@ -46,7 +40,7 @@ def test_batched_fetch_equals_one_by_one(label_dtype: torch.dtype) -> None:
 
 
 def test_datasets_without_batched_fetch_keep_the_per_sample_path() -> None:
-    generated = synthetic(size=30, eval_size=8, image_size=4).train
+    generated = synthetic(size=30, test_size=8, image_size=4).train
     subset = IndexedSubset(generated, np.arange(30)[5:])
     for dataset in (generated, subset):
         got = _batches(BatchFetch(dataset), collate)

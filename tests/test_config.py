@@ -12,8 +12,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp_template.boundary import check, typed
 from ddp_template.config import SamplerMode
-from ddp_template.data.datasets import build_splits
 from ddp_template.data.samplers import SAMPLER_MODES
+from ddp_template.data.splits import build_splits
 from ddp_template.errors import ConfigError
 from ddp_template.models import build_model
 
@@ -65,11 +65,11 @@ def test_builtin_offline_data_instantiates(
     tmp_path: Path, compose_cfg: Callable[..., DictConfig]
 ) -> None:
     digits = build_splits(compose_cfg("data=digits").data)
-    assert (len(digits.train), len(digits.eval)) == (1438, 359)
+    assert (len(digits.train), len(digits.test)) == (1438, 359)
     x, y, i = digits.train[5]
     assert x.shape == (1, 8, 8) and 0 <= y < 10 and i == 5
-    synth = build_splits(compose_cfg("data=synthetic", "data.size=100", "data.eval_size=7").data)
-    assert (len(synth.train), len(synth.eval)) == (100, 7)
+    synth = build_splits(compose_cfg("data=synthetic", "data.size=100", "data.test_size=7").data)
+    assert (len(synth.train), len(synth.test)) == (100, 7)
     assert torch.equal(synth.train[3][0], synth.train[3][0])  # deterministic per index
 
 
@@ -115,7 +115,7 @@ def test_torchvision_data_offline_is_a_clear_error(
     "override,needle",
     [
         ("sampler=nope", "sampler"),
-        ("batch_size=abc", "batch_size"),
+        ("loader.batch_size=abc", "batch_size"),
         ("sampler.shufle=true", "shufle"),
         ("sampler.permutation=random", "permutation"),
         ("model=nope", "model"),
@@ -135,7 +135,7 @@ def test_bad_override_is_refused_by_composition_naming_it(
 @pytest.mark.parametrize(
     "overrides,needle",
     [
-        (["batch_size=0"], "batch_size=0"),
+        (["loader.batch_size=0"], "loader.batch_size=0"),
         (["sampler=sequential", "sampler.shuffle=true"], "sampler.shuffle"),
         (["backend=nccl"], "backend.name=nccl"),
         (["+nonsense_key=1"], "nonsense_key=1 is not a key of the config"),
@@ -156,7 +156,10 @@ def test_meaningless_values_are_refused_at_the_boundary(
 @pytest.mark.parametrize(
     "overrides,needle",
     [
-        (["batch_size=0"], "batch_size=0"),  # refused by boundary.check, before any rank
+        (
+            ["loader.batch_size=0"],
+            "loader.batch_size=0",
+        ),  # refused by boundary.check, before any rank
         (["sampler=drop_last", "data=synthetic", "data.size=1", "dist.nproc=2"], "drop_last"),
     ],
 )

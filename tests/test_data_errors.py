@@ -12,11 +12,13 @@ from conftest import compose_conf
 from helpers import run, train_cmd
 
 from ddp_template import boundary
-from ddp_template.checkpoint import FORMAT_VERSION, init_weights, save_atomic
-from ddp_template.config import TransformsConfig
-from ddp_template.data.datasets import DataInfo, build_splits
+from ddp_template.checkpoint import FORMAT_VERSION, save_atomic
+from ddp_template.config import FinetuneConfig, TransformsConfig
+from ddp_template.data.contract import DataInfo
+from ddp_template.data.splits import build_splits
 from ddp_template.data.transforms import apply_transforms
 from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
+from ddp_template.finetune import init_weights
 from ddp_template.models import check_batch_statistics, small_cnn, torchvision_model
 
 
@@ -38,20 +40,20 @@ def checked(*overrides: str) -> None:
 @pytest.mark.parametrize(
     "overrides,named",
     [
-        (["init_from_ema=true"], ["init_from_ema=true", "init_from=<checkpoint>"]),
-        (["init_from_strict=false"], ["init_from_strict=false", "init_from=<checkpoint>"]),
-        (["init_from=a.pt", "resume=b.pt"], ["init_from=a.pt", "resume=b.pt"]),
+        (["finetune.ema=true"], ["finetune.ema=true", "finetune.init_from=<checkpoint>"]),
+        (["finetune.strict=false"], ["finetune.strict=false", "finetune.init_from=<checkpoint>"]),
+        (["finetune.init_from=a.pt", "resume=b.pt"], ["finetune.init_from=a.pt", "resume=b.pt"]),
         (["loss.label_smoothing=1.5"], ["loss.label_smoothing=1.5", "loss.label_smoothing=0.1"]),
         (["data.val_fraction=1.5"], ["data.val_fraction=1.5", "data.val_fraction=0.1"]),
-        (["checkpoint.monitor=eval/f1"], ["checkpoint.monitor=eval/f1", "'eval/top5'"]),
-        (["checkpoint.monitor=val/accuracy"], ["checkpoint.monitor=val/accuracy", "val_fraction"]),
+        (["selection.monitor=test/f1"], ["selection.monitor=test/f1", "'test/top5'"]),
+        (["selection.monitor=val/accuracy"], ["selection.monitor=val/accuracy", "val_fraction"]),
         (
-            ["checkpoint.monitor=eval/loss", "checkpoint.enabled=false"],
-            ["checkpoint.monitor=eval/loss", "checkpoint.enabled=true"],
+            ["selection.monitor=test/loss", "checkpoint.enabled=false"],
+            ["selection.monitor=test/loss", "checkpoint.enabled=true"],
         ),
         (["eval_split=val"], ["eval_split=val", "data.val_fraction"]),
-        (["early_stop.patience=0"], ["early_stop.patience=0", ">= 1"]),
-        (["early_stop.patience=2"], ["early_stop.patience=2", "checkpoint.monitor=eval/accuracy"]),
+        (["selection.patience=0"], ["selection.patience=0", ">= 1"]),
+        (["selection.patience=2"], ["selection.patience=2", "selection.monitor=test/accuracy"]),
         (["transforms=cifar", "transforms.padding=-1"], ["transforms.padding=-1", "=4"]),
         (["transforms=imagenet", "transforms.scale=[0.5,0.1]"], ["scale=[0.5, 0.1]", "[0.08,1.0]"]),
         (["transforms.padding=8"], ["transforms.padding=8 belongs to transforms=cifar", "none"]),
@@ -69,10 +71,10 @@ def test_startup_check_refuses(overrides: list[str], named: list[str]) -> None:
 
 
 def test_enum_keys_are_refused_by_hydra() -> None:
-    for override in ("checkpoint.mode=median", "transforms=autoaugment", "eval_split=holdout"):
+    for override in ("selection.mode=median", "transforms=autoaugment", "eval_split=holdout"):
         with pytest.raises(Exception, match="median|autoaugment|holdout"):
             compose_conf(override)
-    checked("checkpoint.monitor=val/top5", "data.val_fraction=0.2", "checkpoint.mode=min")
+    checked("selection.monitor=val/top5", "data.val_fraction=0.2", "selection.mode=min")
 
 
 def _checkpoint(tmp_path: Path, **extra) -> Path:
@@ -85,37 +87,37 @@ def _checkpoint(tmp_path: Path, **extra) -> Path:
 def test_init_from_refusals(tmp_path: Path) -> None:
     model = small_cnn(num_classes=10, in_channels=1, image_size=8)
     refused(
-        lambda: init_weights("nope.pt", model, ema=False, strict=True),
-        "init_from=nope.pt",
+        lambda: init_weights(FinetuneConfig(init_from="nope.pt", ema=False, strict=True), model),
+        "finetune.init_from=nope.pt",
         "last.pt or best.pt",
     )
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
     refused(
-        lambda: init_weights(str(junk), model, ema=False, strict=True),
+        lambda: init_weights(FinetuneConfig(init_from=str(junk), ema=False, strict=True), model),
         str(junk),
-        "init_from=<path>",
+        "finetune.init_from=<path>",
     )
     path = _checkpoint(tmp_path)
     refused(
-        lambda: init_weights(str(path), model, ema=True, strict=True),
-        "init_from_ema=true",
+        lambda: init_weights(FinetuneConfig(init_from=str(path), ema=True, strict=True), model),
+        "finetune.ema=true",
         "no EMA weights",
-        "init_from_ema=false",
+        "finetune.ema=false",
     )
     deeper = small_cnn(num_classes=10, in_channels=1, image_size=8, depth=3)
     refused(
-        lambda: init_weights(str(path), deeper, ema=False, strict=True),
-        f"init_from={path}",
+        lambda: init_weights(FinetuneConfig(init_from=str(path), ema=False, strict=True), deeper),
+        f"finetune.init_from={path}",
         "missing keys",
-        "init_from_strict=false",
+        "finetune.strict=false",
     )
-    report = init_weights(str(path), deeper, ema=False, strict=False)
+    report = init_weights(FinetuneConfig(init_from=str(path), ema=False, strict=False), deeper)
     assert report.missing and report.unexpected and "0.weight" in report.loaded  # the rest fits
 
     shifted = {k: v + 1 for k, v in model.state_dict().items() if v.is_floating_point()}
     path = _checkpoint(tmp_path, ema={"model": shifted})
-    init_weights(str(path), model, ema=True, strict=False)
+    init_weights(FinetuneConfig(init_from=str(path), ema=True, strict=False), model)
     assert torch.equal(model.state_dict()["0.weight"], shifted["0.weight"])
 
 
@@ -202,7 +204,11 @@ def test_train_py_exits_2_on_data_errors(tmp_path: Path) -> None:
     (tmp_path / "images" / "train").mkdir(parents=True)
     (tmp_path / "images" / "val").mkdir()
     cases = {
-        "sampler.drop_last_batch=true": ["data=array", f"data.path={tmp_path}", "batch_size=5"],
+        "sampler.drop_last_batch=true": [
+            "data=array",
+            f"data.path={tmp_path}",
+            "loader.batch_size=5",
+        ],
         "train/<class>/": ["data=imagefolder", f"data.path={tmp_path / 'images'}"],
     }
     for expected, overrides in cases.items():

@@ -13,16 +13,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import free_port, join_gloo, step_trainer
 
-from ddp_template.config import Config, DDPConfig, EmaConfig
-from ddp_template.data.datasets import synthetic
+from ddp_template.config import DDPConfig, EmaConfig, LoaderConfig
+from ddp_template.data.builtin import synthetic
 from ddp_template.data.loader import build_eval_loader
 from ddp_template.distributed import DistInfo
 from ddp_template.ema import EMA, build_ema
-from ddp_template.engine import _step, evaluate
+from ddp_template.engine import _step
+from ddp_template.evaluation import evaluate
 from ddp_template.models import small_cnn
 from ddp_template.parallel import build_ddp
 
-EVAL = Config(eval_batch_size=7, num_workers=0)  # 40 samples: ragged shards
+EVAL = LoaderConfig(eval_batch_size=7, num_workers=0)  # 40 samples: ragged shards
 
 
 def make_model() -> torch.nn.Module:
@@ -31,7 +32,7 @@ def make_model() -> torch.nn.Module:
 
 
 def eval_set():
-    return synthetic(size=8, eval_size=40, image_size=8).eval
+    return synthetic(size=8, test_size=40, image_size=8).test
 
 
 def rank_info(rank: int, world: int) -> DistInfo:

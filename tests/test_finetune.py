@@ -1,4 +1,5 @@
-"""From a checkpoint to a paper table: experiment presets, init_from, evaluation anywhere."""
+"""From a checkpoint to a paper table: experiment presets, finetune.init_from, evaluation
+anywhere."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ from omegaconf import DictConfig, OmegaConf
 from wandb_reader import find_runs
 
 from ddp_template import boundary
-from ddp_template.checkpoint import init_weights
-from ddp_template.data.datasets import build_splits
+from ddp_template.config import FinetuneConfig
 from ddp_template.data.loader import build_eval_loader
-from ddp_template.engine import EvalResult, _step, evaluate
+from ddp_template.data.splits import build_splits
+from ddp_template.engine import _step
+from ddp_template.evaluation import EvalResult, evaluate
+from ddp_template.finetune import init_weights
 from ddp_template.models import build_model, small_cnn
 
 TINY = ["logger=none", "epochs=1", "max_steps_per_epoch=4"]
@@ -54,13 +57,14 @@ ONE = cpu_rank()
 
 
 def evaluate_here(ckpt: Path, *overrides: str) -> EvalResult:
-    """``train.py epochs=0 init_from=<ckpt>`` in this process: one rank, the real builders."""
+    """``train.py epochs=0 finetune.init_from=<ckpt>`` in this process: one rank, the real
+    builders."""
     cfg = boundary.typed(compose_conf(*overrides))
     splits = build_splits(cfg.data)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, splits.info)
-    init_weights(str(ckpt), model, ema=False, strict=True)
-    loader = build_eval_loader(splits.eval, cfg, ONE)
+    init_weights(FinetuneConfig(init_from=str(ckpt), ema=False, strict=True), model)
+    loader = build_eval_loader(splits.test, cfg.loader, ONE)
     return evaluate(model, loader, ONE, "off", num_classes=splits.info.num_classes)
 
 
@@ -72,14 +76,14 @@ def _fresh_small_cnn(num_classes: int) -> torch.nn.Module:
 @pytest.mark.slow
 def test_checkpoint_evaluates_anywhere_and_fine_tunes(tmp_path: Path) -> None:
     """A 2-rank run's last.pt: evaluated on 1 and 3 processes it gives the run's own count;
-    init_from it trains a fresh run from step 0; a 3-class model takes all but its head."""
+    finetune.init_from it trains a fresh run from step 0; a 3-class model takes all but its head."""
     run(train_cmd(tmp_path / "two", *TINY, "dist.nproc=2"))
     trained = run_dirs(tmp_path / "two")[0]
     ckpt = trained / "checkpoints" / "last.pt"
     own = summary(trained)
     assert own["world_size"] == 2 and own["steps"] == 4 and own["eval_count"] == 359
     out = tmp_path / "eval3"
-    run(train_cmd(out, "logger=none", "epochs=0", f"init_from={ckpt}", "dist.nproc=3"))
+    run(train_cmd(out, "logger=none", "epochs=0", f"finetune.init_from={ckpt}", "dist.nproc=3"))
     three, one = summary(run_dirs(out)[0]), evaluate_here(ckpt).summary()
     assert three["world_size"] == 3
     for s in (three, one):
@@ -87,17 +91,19 @@ def test_checkpoint_evaluates_anywhere_and_fine_tunes(tmp_path: Path) -> None:
         assert s["eval_per_class_correct"] == own["eval_per_class_correct"]
         assert s["eval_top5_correct"] == own["eval_top5_correct"]
 
-    proc = run(train_cmd(tmp_path / "ft", *TINY, f"init_from={ckpt}", "max_steps_per_epoch=2"))
+    proc = run(
+        train_cmd(tmp_path / "ft", *TINY, f"finetune.init_from={ckpt}", "max_steps_per_epoch=2")
+    )
     ft = run_dirs(tmp_path / "ft")[0]
     assert summary(ft)["steps"] == 2  # a fresh run: step 0, epoch 0, a new optimizer
     assert f"initialised from {ckpt}: 14 tensors loaded" in proc.stdout + proc.stderr
     payload = torch.load(ft / "checkpoints" / "last.pt", weights_only=True)
-    assert payload["step"] == 2 and payload["world_size"] == 1
+    assert payload["progress"]["step"] == 2 and payload["world_size"] == 1
 
     # 10 classes -> 3: every tensor but the head is the checkpoint's, the head starts fresh.
     source = torch.load(ckpt, weights_only=True)["model"]
     model, fresh = _fresh_small_cnn(3), _fresh_small_cnn(3).state_dict()
-    report = init_weights(str(ckpt), model, ema=False, strict=True)
+    report = init_weights(FinetuneConfig(init_from=str(ckpt), ema=False, strict=True), model)
     head = ["10.weight", "10.bias"]
     assert report.reinitialised == head and not report.missing and not report.unexpected
     for key, value in model.state_dict().items():
@@ -106,28 +112,32 @@ def test_checkpoint_evaluates_anywhere_and_fine_tunes(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_best_checkpoint_holds_the_best_epoch_and_early_stop(tmp_path: Path) -> None:
-    """best.pt is the epoch with the best eval/accuracy: evaluating it gives that value exactly;
-    early_stop.patience=1 ends the run after the first epoch without a new best; with
+    """best.pt is the epoch with the best test/accuracy: evaluating it gives that value exactly;
+    selection.patience=1 ends the run after the first epoch without a new best; with
     logger.log_checkpoints=best each new best is one version of the W&B model artifact."""
-    monitor = ["checkpoint.monitor=eval/accuracy", "early_stop.patience=1"]
+    monitor = ["selection.monitor=test/accuracy", "selection.patience=1"]
     artifacts = ["logger=wandb", "logger.log_checkpoints=best"]
     env = run_env(WANDB_DATA_DIR=str(tmp_path / "wandb-data"))  # W&B's artifact staging copies
     run(train_cmd(tmp_path, *TINY, "epochs=5", "optim.lr=0.5", *monitor, *artifacts), env=env)
     d = run_dirs(tmp_path)[0]
-    rows = [r for r in jsonl(d / "rank0" / "metrics.jsonl") if "eval/accuracy" in r]
-    accuracy = [r["eval/accuracy"] for r in rows]
+    rows = [r for r in jsonl(d / "rank0" / "metrics.jsonl") if "test/accuracy" in r]
+    accuracy = [r["test/accuracy"] for r in rows]
     best = max(range(len(accuracy)), key=lambda e: (accuracy[e], -e))  # the first best epoch
     assert len(rows) == best + 2 < 5, accuracy  # patience 1: stopped after one more epoch
     payload = torch.load(d / "checkpoints" / "best.pt", weights_only=True)
-    assert payload["best"] == {"monitor": "eval/accuracy", "value": accuracy[best], "epoch": best}
-    assert payload["epoch"] == best + 1
+    assert payload["selection"] == {
+        "monitor": "test/accuracy",
+        "value": accuracy[best],
+        "epoch": best,
+    }
+    assert payload["progress"]["epoch"] == best + 1
     assert evaluate_here(d / "checkpoints" / "best.pt").accuracy == accuracy[best]
     (wb,) = find_runs(d)
     versions = [a for a in wb.artifacts if a["type"] == "model"]
     new_bests = [e for e in range(len(accuracy)) if accuracy[e] > max(accuracy[:e], default=-1)]
     assert [a["metadata"]["epoch"] for a in versions] == new_bests
     assert all(a["files"] == ["best.pt"] and "best" in a["aliases"] for a in versions)
-    assert versions[-1]["metadata"]["eval/accuracy"] == accuracy[best]
+    assert versions[-1]["metadata"]["test/accuracy"] == accuracy[best]
 
 
 def test_label_smoothing_is_the_training_loss() -> None:
@@ -154,7 +164,7 @@ def test_val_fraction_carves_a_disjoint_seeded_split() -> None:
     cfg = boundary.typed(compose_conf("data.val_fraction=0.25"))
     a, b = build_splits(cfg.data), build_splits(cfg.data)
     full = build_splits(boundary.typed(compose_conf()).data)
-    assert (len(a.train), len(a.val), len(a.eval)) == (1078, 360, 359)
+    assert (len(a.train), len(a.val), len(a.test)) == (1078, 360, 359)
     train, val = set(a.train.indices.tolist()), set(a.val.indices.tolist())
     assert not train & val and train | val == set(range(len(full.train)))
     assert (a.val.indices == b.val.indices).all()  # seeded: the same carve every time
@@ -170,25 +180,25 @@ def test_val_split_is_evaluated_each_epoch_and_test_once(tmp_path: Path) -> None
             *TINY,
             "epochs=2",
             "data.val_fraction=0.25",
-            "checkpoint.monitor=val/loss",
-            "checkpoint.mode=min",
+            "selection.monitor=val/loss",
+            "selection.mode=min",
         )
     )
     d = run_dirs(tmp_path)[0]
     rows = jsonl(d / "rank0" / "metrics.jsonl")
     val = [r for r in rows if "val/accuracy" in r]
-    test = [r for r in rows if "eval/accuracy" in r]
+    test = [r for r in rows if "test/accuracy" in r]
     assert [r["epoch"] for r in val] == [0, 1] and len(test) == 1
     assert next(r for r in rows if "data/val_size" in r)["data/val_size"] == 360
     s = summary(d)
     assert (s["eval_count"], s["val_size"], s["train_size"]) == (359, 360, 1078)
-    assert s["eval_accuracy"] == test[0]["eval/accuracy"]
-    best = torch.load(d / "checkpoints" / "best.pt", weights_only=True)["best"]
+    assert s["eval_accuracy"] == test[0]["test/accuracy"]
+    best = torch.load(d / "checkpoints" / "best.pt", weights_only=True)["selection"]
     assert best["value"] == min(r["val/loss"] for r in val)
     # Any split at any world size: best.pt on the validation split, on 2 ranks.
     evaluated = ["epochs=0", "data.val_fraction=0.25", "eval_split=val", "dist.nproc=2"]
     ckpt = d / "checkpoints" / "best.pt"
-    run(train_cmd(tmp_path / "eval", "logger=none", f"init_from={ckpt}", *evaluated))
+    run(train_cmd(tmp_path / "eval", "logger=none", f"finetune.init_from={ckpt}", *evaluated))
     s = summary(run_dirs(tmp_path / "eval")[0])
     assert (s["eval_split"], s["eval_count"], s["world_size"]) == ("val", 360, 2)
     assert s["eval_correct"] == val[best["epoch"]]["val/correct"]

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from ddp_template.amp import autocast
 from ddp_template.boundary import typed
 from ddp_template.data.array import array_dataset
-from ddp_template.data.datasets import build_splits
+from ddp_template.data.splits import build_splits
 from ddp_template.errors import ConfigError
 from ddp_template.models import build_model
 from ddp_template.optim import build_optimizer
@@ -75,7 +75,7 @@ def test_array_npz_flat_features_become_one_pixel_images(
     tmp_path: Path, compose_cfg: Callable[..., DictConfig]
 ) -> None:
     splits = build_splits(compose_cfg("data=array", f"data.path={_npz(tmp_path / 'd.npz')}").data)
-    assert (len(splits.train), len(splits.eval)) == (40, 10)
+    assert (len(splits.train), len(splits.test)) == (40, 10)
     assert splits.info.num_classes == 4  # max label over both splits (test has a 3) + 1
     x, y, i = splits.train[7]
     assert x.shape == (16, 1, 1) and x.dtype == torch.float32 and (y, i) == (1, 7)
@@ -88,8 +88,8 @@ def test_array_csv_folder_with_image_shape(
     root = _csv_dir(tmp_path / "csv")
     cfg = compose_cfg("data=array", f"data.path={root}", "data.image_shape=[1,8,8]")
     splits = build_splits(cfg.data)
-    assert (len(splits.train), len(splits.eval), splits.info.num_classes) == (30, 12, 5)
-    x, y, i = splits.eval[11]
+    assert (len(splits.train), len(splits.test), splits.info.num_classes) == (30, 12, 5)
+    x, y, i = splits.test[11]
     assert x.shape == (1, 8, 8) and (y, i) == (1, 11)
     headerless = array_dataset(str(_csv_dir(tmp_path / "plain", header=False)), [1, 8, 8])
     assert torch.equal(headerless.train[3][0], splits.train[3][0])
@@ -146,10 +146,10 @@ def tiny_mlp(num_classes, in_channels, image_size, hidden=16):
 MYDATA = """
 import torch
 
-from ddp_template.data.datasets import DataInfo, IndexedTensors, Splits
+from ddp_template.data.contract import DataInfo, IndexedTensors, Splits
 
 
-def blobs(size=64, eval_size=16, features=4, num_classes=3, seed=0):
+def blobs(size=64, test_size=16, features=4, num_classes=3, seed=0):
     gen = torch.Generator().manual_seed(seed)
 
     def split(n):
@@ -157,7 +157,7 @@ def blobs(size=64, eval_size=16, features=4, num_classes=3, seed=0):
         x = torch.randn(n, features, 1, 1, generator=gen) + y.view(-1, 1, 1, 1)
         return IndexedTensors(x, y)
 
-    return Splits(split(size), split(eval_size), DataInfo(num_classes, features, image_size=1))
+    return Splits(split(size), split(test_size), DataInfo(num_classes, features, image_size=1))
 """
 
 
@@ -180,7 +180,7 @@ def test_own_model_and_dataset_on_two_ranks(tmp_path: Path) -> None:
             "model=mlp",
             "data=blobs",
             "dist.nproc=2",
-            "batch_size=8",
+            "loader.batch_size=8",
             *FAST,
         ),
         env=env,
@@ -280,11 +280,13 @@ def test_local_and_debug_override_the_base_and_presets_win(
 ) -> None:
     conf = _conf_copy(tmp_path)
     (conf / "local").mkdir()
-    (conf / "local" / "default.yaml").write_text("# @package _global_\nnum_workers: 3\n")
+    local = "# @package _global_\nloader:\n  num_workers: 3\n"
+    (conf / "local" / "default.yaml").write_text(local)
     cfg = compose_cfg(conf=conf)
-    assert (cfg.epochs, cfg.num_workers) == (10, 3)  # local overrides config.yaml's own keys
+    assert (cfg.epochs, cfg.loader.num_workers) == (10, 3)  # local overrides the base keys
     cfg = compose_cfg("debug=fast", conf=conf)
-    assert (cfg.dist.nproc, cfg.epochs, cfg.num_workers, cfg.logger.name) == (1, 1, 0, "none")
+    fast = (cfg.dist.nproc, cfg.epochs, cfg.loader.num_workers, cfg.logger.name)
+    assert fast == (1, 1, 0, "none")
     cfg = compose_cfg("experiment=digits_ddp", "debug=fast", conf=conf)
     assert cfg.dist.nproc == 2  # the preset is applied last: its keys win over debug's
     assert compose_cfg("experiment=cifar10_resnet18", conf=conf).model._target_.endswith("resnet18")
@@ -375,9 +377,9 @@ def test_sweep_over_an_experiment(tmp_path: Path) -> None:
             "optim.lr=0.1,0.05",
             "debug=fast",
             "data.size=64",
-            "data.eval_size=16",
+            "data.test_size=16",
             "data.image_size=8",
-            "batch_size=16",
+            "loader.batch_size=16",
         )
     )
     (sweep,) = (tmp_path / "multirun").iterdir()

@@ -228,7 +228,11 @@ def test_fp16_steps_wait_for_the_gpu_only_without_a_fused_optimizer(fused: bool)
         torch.cuda.set_sync_debug_mode(0)
 
 
-RESUME = [*(o for o in BASE if not o.startswith("data.size=")), "deterministic=true", "logger=none"]
+RESUME = [
+    *(o for o in BASE if not o.startswith("data.size=")),
+    "numerics.deterministic=true",
+    "logger=none",
+]
 
 
 @pytest.mark.parametrize(

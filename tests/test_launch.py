@@ -87,9 +87,9 @@ def test_two_nodes_two_ranks_each_on_localhost(tmp_path: Path) -> None:
             "epochs=1",
             "data=synthetic",
             "data.size=37",
-            "data.eval_size=9",
+            "data.test_size=9",
             "data.image_size=8",
-            "batch_size=4",
+            "loader.batch_size=4",
             launcher=launcher,
         )
         agents.append(

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ddp_template import boundary, numerics
-from ddp_template.config import Config, MatmulPrecision, OptimConfig
+from ddp_template.config import LoaderConfig, MatmulPrecision, NumericsConfig, OptimConfig
 from ddp_template.data import loader
 from ddp_template.errors import ConfigError
 from ddp_template.models import small_cnn
@@ -43,16 +43,16 @@ def restore_numerics(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def test_deterministic_turns_on_torch_deterministic_mode(restore_numerics: None) -> None:
-    numerics.apply(Config(deterministic=True, matmul_precision=MatmulPrecision.highest))
+    numerics.apply(NumericsConfig(deterministic=True, matmul_precision=MatmulPrecision.highest))
     assert torch.are_deterministic_algorithms_enabled()
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert torch.get_float32_matmul_precision() == "highest"
-    numerics.apply(Config())  # the defaults: fast, not reproducible across runs on CUDA
+    numerics.apply(NumericsConfig())  # the defaults: fast, not reproducible across runs on CUDA
     assert not torch.are_deterministic_algorithms_enabled()
     assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic
     assert torch.get_float32_matmul_precision() == "high"
-    numerics.apply(Config(cudnn_benchmark=False, matmul_precision=MatmulPrecision.medium))
+    numerics.apply(NumericsConfig(cudnn_benchmark=False, matmul_precision=MatmulPrecision.medium))
     assert not torch.backends.cudnn.benchmark
     assert torch.get_float32_matmul_precision() == "medium"
 
@@ -60,12 +60,12 @@ def test_deterministic_turns_on_torch_deterministic_mode(restore_numerics: None)
 @pytest.mark.parametrize(
     "override,needle",
     [
-        ("deterministic=maybe", "'maybe' is not a valid bool"),
-        ("matmul_precision=low", "'low', expected one of [highest, high, medium]"),
-        ("cudnn_benchmark=sometimes", "'sometimes' is not a valid bool"),
-        ("channels_last=nhwc", "'nhwc' is not a valid bool"),
-        ("pin_memory=fast", "'fast' is not a valid bool"),
-        ("persistent_workers=yes_please", "'yes_please' is not a valid bool"),
+        ("numerics.deterministic=maybe", "'maybe' is not a valid bool"),
+        ("numerics.matmul_precision=low", "'low', expected one of [highest, high, medium]"),
+        ("numerics.cudnn_benchmark=sometimes", "'sometimes' is not a valid bool"),
+        ("numerics.channels_last=nhwc", "'nhwc' is not a valid bool"),
+        ("loader.pin_memory=fast", "'fast' is not a valid bool"),
+        ("loader.persistent_workers=yes_please", "'yes_please' is not a valid bool"),
         ("optim.fused=cuda", "'cuda' is not a valid bool"),
     ],
 )
@@ -82,13 +82,19 @@ def test_bad_numerics_values_are_refused_naming_the_key(
 def test_cudnn_benchmark_contradicting_deterministic_is_one_sentence(
     compose_cfg: Callable[..., DictConfig],
 ) -> None:
-    cfg = boundary.typed(compose_cfg("deterministic=true", "cudnn_benchmark=true"))
+    cfg = boundary.typed(
+        compose_cfg("numerics.deterministic=true", "numerics.cudnn_benchmark=true")
+    )
     with pytest.raises(ConfigError) as err:
         boundary.check(cfg)
     message = str(err.value)
-    assert message.startswith("cudnn_benchmark=true contradicts deterministic=true")
+    assert message.startswith(
+        "numerics.cudnn_benchmark=true contradicts numerics.deterministic=true"
+    )
     assert "drop cudnn_benchmark" in message and "\n" not in message
-    boundary.check(boundary.typed(compose_cfg("deterministic=true")))  # benchmark off by itself
+    boundary.check(
+        boundary.typed(compose_cfg("numerics.deterministic=true"))
+    )  # benchmark off by itself
 
 
 def test_channels_last_converts_weights_and_every_input_batch() -> None:
@@ -117,11 +123,11 @@ def test_pin_memory_and_persistent_workers_reach_the_loader(
 ) -> None:
     monkeypatch.setattr(loader, "_worker_start_method", lambda: "spawn")  # no fork server here
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert loader._loader_kwargs(Config(num_workers=2), cuda)["pin_memory"] is True
-    assert loader._loader_kwargs(Config(num_workers=2), cpu)["pin_memory"] is False
-    assert loader._loader_kwargs(Config(pin_memory=False), cuda)["pin_memory"] is False
-    assert loader._loader_kwargs(Config(num_workers=2), cpu)["persistent_workers"] is True
-    off = Config(num_workers=2, persistent_workers=False)
+    assert loader._loader_kwargs(LoaderConfig(num_workers=2), cuda)["pin_memory"] is True
+    assert loader._loader_kwargs(LoaderConfig(num_workers=2), cpu)["pin_memory"] is False
+    assert loader._loader_kwargs(LoaderConfig(pin_memory=False), cuda)["pin_memory"] is False
+    assert loader._loader_kwargs(LoaderConfig(num_workers=2), cpu)["persistent_workers"] is True
+    off = LoaderConfig(num_workers=2, persistent_workers=False)
     assert loader._loader_kwargs(off, cpu)["persistent_workers"] is False
 
 
@@ -155,11 +161,11 @@ def test_one_rank_run_reports_deterministic_mode_and_trains_channels_last(
     run(
         train_cmd(
             tmp_path,
-            "deterministic=true",
-            "channels_last=true",
+            "numerics.deterministic=true",
+            "numerics.channels_last=true",
             "data=synthetic",
             "data.size=64",
-            "data.eval_size=32",
+            "data.test_size=32",
             "data.image_size=8",
             "epochs=1",
             "max_steps_per_epoch=2",

@@ -11,7 +11,7 @@ from helpers import run, run_env, train_cmd
 
 
 def test_profiler_traces_every_rank_one_all_reduce_per_step(tmp_path: Path) -> None:
-    overrides = ["debug=profiler", "dist.nproc=2", "batch_size=16", "optim.accumulate=2"]
+    overrides = ["debug=profiler", "dist.nproc=2", "loader.batch_size=16", "optim.accumulate=2"]
     run(train_cmd(tmp_path, *overrides), env=run_env(RUN_ID="prof"))
     run_dir = tmp_path / "outputs" / "prof"
     for rank in (0, 1):

@@ -1,8 +1,8 @@
 """`python -m ddp_template.replay`: the batches it reconstructs are the ones training consumed.
 
 One real 2-rank run (module fixture) trains on a user data module whose training dataset
-appends every index it is asked for to ``rank<RANK>.txt``: with ``num_workers=0`` the order of
-``__getitem__`` calls is the order the loop consumed, batch by batch. Replay must give the
+appends every index it is asked for to ``rank<RANK>.txt``: with ``loader.num_workers=0`` the
+order of ``__getitem__`` calls is the order the loop consumed, batch by batch. Replay must give the
 same batches per step, the union of an epoch's steps must reproduce each rank's logged
 ``data/fingerprint``, and ``--index`` must agree. tests/test_replay_oracle.py covers every
 mode, permutation, step cap and a resume without training.
@@ -33,7 +33,9 @@ import os
 
 from torch.utils.data import Dataset
 
-from ddp_template.data.datasets import Splits, synthetic
+from ddp_template.data.builtin import synthetic
+
+from ddp_template.data.contract import Splits
 
 
 class Recording(Dataset):
@@ -50,9 +52,9 @@ class Recording(Dataset):
         return self.base[i]
 
 
-def recorded(size, log_dir, eval_size=8):
-    splits = synthetic(size=size, eval_size=eval_size, channels=1, image_size=8)
-    return Splits(Recording(splits.train, log_dir), splits.eval, splits.info)
+def recorded(size, log_dir, test_size=8):
+    splits = synthetic(size=size, test_size=test_size, channels=1, image_size=8)
+    return Splits(Recording(splits.train, log_dir), splits.test, splits.info)
 """
 
 
@@ -77,7 +79,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     paths = [str(code), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = run_env(PYTHONPATH=os.pathsep.join(paths))
     overrides = [f"hydra.searchpath=[file://{root / 'conf'}]", "data=recorded", "dist.nproc=2"]
-    overrides += ["logger=none", f"epochs={EPOCHS}", f"batch_size={BATCH}", "model.width=4"]
+    overrides += ["logger=none", f"epochs={EPOCHS}", f"loader.batch_size={BATCH}", "model.width=4"]
     run(train_cmd(root, *overrides, "checkpoint.enabled=false", "seed=3"), env=env)
     (run_dir,) = [p for p in (root / "outputs").iterdir() if p.is_dir()]
     consumed = [

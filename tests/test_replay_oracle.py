@@ -55,10 +55,13 @@ def loader_steps(run_, stop_after: int | None = None) -> list[list[list[int]]]:
     fresh sampler and loader (the template's resume), keeping the step count.
     """
     per_rank = []
+    drop = run_.cfg.sampler.drop_last_batch
     for rank in range(run_.world_size):
         info = SimpleNamespace(rank=rank, device=torch.device("cpu"))
         sampler = run_.sampler(rank)
-        loader = build_train_loader(run_.train, sampler, run_.cfg, info)
+        loader = build_train_loader(
+            run_.train, sampler, run_.cfg.loader, seed=run_.cfg.seed, drop_last=drop, info=info
+        )
         steps, state = [], TrainState()
         while state.epoch < run_.cfg.epochs:
             sampler.set_epoch(state.epoch)
@@ -68,7 +71,9 @@ def loader_steps(run_, stop_after: int | None = None) -> list[list[list[int]]]:
             saved, stop_after = sampler.state_dict(state.position), None
             sampler = run_.sampler(rank)
             sampler.load_state_dict(saved)
-            loader = build_train_loader(run_.train, sampler, run_.cfg, info)
+            loader = build_train_loader(
+                run_.train, sampler, run_.cfg.loader, seed=run_.cfg.seed, drop_last=drop, info=info
+            )
         per_rank.append(steps)
     return per_rank
 
@@ -92,13 +97,13 @@ def test_replay_is_the_capped_loader_in_every_mode(
     overrides = [
         "data=synthetic",
         "data.size=23",
-        "data.eval_size=4",
+        "data.test_size=4",
         "data.image_size=4",
         "data.channels=1",
         f"sampler={mode}",
         f"sampler.permutation={permutation}",
         f"sampler.drop_last_batch={drop_last_batch}",
-        "batch_size=3",
+        "loader.batch_size=3",
         "epochs=3",
         "seed=5",
         f"max_steps_per_epoch={cap if cap else 'null'}",
@@ -124,7 +129,13 @@ def test_replay_is_the_capped_loader_in_every_mode(
 
 
 def test_replay_at_a_billion_samples_is_o_batch(compose_cfg, tmp_path: Path) -> None:
-    overrides = ["data=synthetic", "data.size=1000000000", "batch_size=32", "epochs=1", "seed=7"]
+    overrides = [
+        "data=synthetic",
+        "data.size=1000000000",
+        "loader.batch_size=32",
+        "epochs=1",
+        "seed=7",
+    ]
     run_ = load_run(write_run(tmp_path / "run", compose_cfg(*overrides)), world_size=8)
     step = 3_000_000  # deep in the first epoch of 3,906,250 steps
     tracemalloc.start()

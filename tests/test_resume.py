@@ -26,11 +26,11 @@ from ddp_template.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 BASE = [
     "data=synthetic",
     "data.size=60",
-    "data.eval_size=20",
+    "data.test_size=20",
     "data.image_size=8",
-    "batch_size=4",
+    "loader.batch_size=4",
     "epochs=2",
-    "num_workers=2",
+    "loader.num_workers=2",
     "checkpoint.every_steps=1",
 ]
 # 60 samples / 2 ranks / batch 4 = 8 steps per epoch; step 11 is mid-way through epoch 1.
@@ -56,7 +56,7 @@ def launch(
 
 def final_model(out: Path, run_id: str) -> dict[str, torch.Tensor]:
     payload = torch.load(out / "outputs" / run_id / "checkpoints" / "last.pt", weights_only=True)
-    assert payload["step"] == 16 and payload["epoch"] == 2
+    assert payload["progress"]["step"] == 16 and payload["progress"]["epoch"] == 2
     return payload["model"]
 
 
@@ -82,7 +82,7 @@ def test_stopping_early_matters(reference) -> None:
     run of its own: every resume below is bit-identical to the reference, which a
     nondeterministic run could not be.)"""
     short = torch.load(reference["checkpoints"] / "epoch_1.pt", weights_only=True)
-    assert short["epoch"] == 1 and short["step"] == 8
+    assert short["progress"]["epoch"] == 1 and short["progress"]["step"] == 8
     assert any(not torch.equal(short["model"][k], reference["off"][k]) for k in short["model"])
 
 
@@ -111,7 +111,11 @@ def test_sigkill_crash_and_ctrl_c_in_turn_each_resume_to_the_identical_model(
     assert "rank 1 failed" in out and "Traceback" in out, out[-3000:]
     assert "RuntimeError: fault injected: rank 1 crashes after step 11" in out, out[-3000:]
     stopped = torch.load(ckpt, weights_only=True)
-    assert stopped["step"] == 10 and stopped["epoch"] == 1 and stopped["position"] == 8
+    assert (
+        stopped["progress"]["step"] == 10
+        and stopped["progress"]["epoch"] == 1
+        and stopped["progress"]["position"] == 8
+    )
 
     # 3. Resumed, then Ctrl-C: SIGINT to the whole process group mid-epoch, as a terminal's:
     # the launcher and both ranks get it (and the launcher forwards it again); every rank stops
@@ -131,7 +135,10 @@ def test_sigkill_crash_and_ctrl_c_in_turn_each_resume_to_the_identical_model(
     assert len(said) == 1 and "resume with: RUN_ID=chain python" in said[0], output[-3000:]
     assert "Traceback" not in output and "SignalException" not in output, output[-3000:]
     interrupted = torch.load(ckpt, weights_only=True)
-    assert 14 <= interrupted["step"] <= 15 and f"step {interrupted['step']}" in said[0]
+    assert (
+        14 <= interrupted["progress"]["step"] <= 15
+        and f"step {interrupted['progress']['step']}" in said[0]
+    )
 
     # 4. The command that line gives (the same command: its fault lies behind the checkpoint).
     launch(tmp_path, "chain", "logger=none", *ctrl_c, new_session=True)
@@ -140,7 +147,10 @@ def test_sigkill_crash_and_ctrl_c_in_turn_each_resume_to_the_identical_model(
     # interrupted one its part from the crash's checkpoint to its own, the last one the rest.
     rows = jsonl(tmp_path / "outputs/chain/rank0/metrics.jsonl")
     epoch1 = [r["data/samples"] for r in rows if r.get("epoch") == 1 and "data/samples" in r]
-    assert epoch1 == [interrupted["position"] - 8, 30 - interrupted["position"]]
+    assert epoch1 == [
+        interrupted["progress"]["position"] - 8,
+        30 - interrupted["progress"]["position"],
+    ]
 
 
 def test_sigterm_checkpoints_exits_75_then_resumes(reference, tmp_path: Path) -> None:
@@ -153,7 +163,7 @@ def test_sigterm_checkpoints_exits_75_then_resumes(reference, tmp_path: Path) ->
     assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-3000:]
     assert "received SIGTERM" in proc.stdout + proc.stderr
     stopped = torch.load(tmp_path / "outputs/term/checkpoints/last.pt", weights_only=True)
-    assert stopped["step"] == 8
+    assert stopped["progress"]["step"] == 8
     launch(tmp_path, "term", check)
     assert_identical(reference["off"], final_model(tmp_path, "term"))
     # The resumed run continued the same W&B runs (same ids), one file per start.
@@ -224,7 +234,7 @@ def test_torchrun_max_restarts_recovers_identically(reference, tmp_path: Path) -
     """torchrun's own restart (loader workers off: they are the SIGKILL tests' point, and the
     reference, which had them, must not depend on them)."""
     launcher = [*torchrun(2), "--max-restarts=1"]
-    overrides = ["logger=none", "num_workers=0", *CRASH]
+    overrides = ["logger=none", "loader.num_workers=0", *CRASH]
     launch(tmp_path, "elastic", *overrides, nproc_flag=False, launcher=launcher)
     assert_identical(reference["off"], final_model(tmp_path, "elastic"))
 
@@ -260,7 +270,7 @@ def test_other_world_size_is_refused_clearly(reference, tmp_path: Path) -> None:
     assert found is not None and found.payload["world_size"] == 2
     three = cpu_rank(2, 3, backend="gloo")
     with pytest.raises(ConfigError, match="world size 2 but this run has 3 ranks"):
-        checkpoint.restore(found, None, None, three)  # nothing of the run is touched first
+        checkpoint.restore(found, parts=None, rank_parts=None, info=three)  # nothing touched first
     assert ckpt.read_bytes() == before  # nothing written over
 
 

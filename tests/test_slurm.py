@@ -25,7 +25,7 @@ TINY = [
     "logger=none",
     "data=synthetic",
     "data.size=64",
-    "data.eval_size=32",
+    "data.test_size=32",
     "data.image_size=8",
 ]
 BINARIES = ("sinfo", "sbatch", "squeue", "scancel", "srun", "slurmctld", "slurmd", "munged")

@@ -26,7 +26,7 @@ def test_three_ranks_evaluate_exactly_like_one(tmp_path: Path) -> None:
     in batches of 32) was also run for, at 7 x the cost; its count is checked above. The 3
     ranks are in-process (dist.nproc=3: forks of one server that imported torch once, cheaper
     than torchrun's fresh interpreters; the launcher is not the point)."""
-    data = ["data=synthetic", "data.size=50", "data.eval_size=7", "eval_batch_size=2"]
+    data = ["data=synthetic", "data.size=50", "data.test_size=7", "loader.eval_batch_size=2"]
     one, three = tmp_path / "one", tmp_path / "three"
     run(train_cmd(one, "epochs=0", "logger=none", *data))
     run(train_cmd(three, "epochs=0", "logger=none", *data, "dist.nproc=3"))

@@ -16,8 +16,8 @@ from helpers import cpu_rank
 from test_resume import assert_identical, final_model, launch
 
 from ddp_template import boundary
-from ddp_template.data.datasets import build_splits
 from ddp_template.data.loader import build_train_loader, build_train_sampler
+from ddp_template.data.splits import build_splits
 from ddp_template.data.transforms import Augmented, apply_transforms
 
 AUGMENTED = ["transforms=cifar", "data.image_size=32"]  # after test_resume's BASE: 32 px
@@ -29,8 +29,12 @@ def _loaders(cfg, splits, world: int, workers: int) -> list:
     for rank in range(world):
         info = cpu_rank(rank, world)
         sampler = build_train_sampler(splits.train, cfg.sampler, seed=cfg.seed, info=info)
-        cfg_w = dataclasses.replace(cfg, num_workers=workers)
-        out.append((sampler, build_train_loader(splits.train, sampler, cfg_w, info)))
+        loader_cfg = dataclasses.replace(cfg.loader, num_workers=workers)
+        drop = cfg.sampler.drop_last_batch
+        loader = build_train_loader(
+            splits.train, sampler, loader_cfg, seed=cfg.seed, drop_last=drop, info=info
+        )
+        out.append((sampler, loader))
     return out
 
 
@@ -47,7 +51,7 @@ def _epoch(splits, loaders: list, epoch: int) -> dict[int, torch.Tensor]:
 
 def test_augmentation_is_the_same_on_any_world_size_and_worker() -> None:
     """World size 1 with 2 persistent loader workers vs. world size 2 loading in-process."""
-    overrides = ["data=synthetic", "data.size=24", "batch_size=4"]
+    overrides = ["data=synthetic", "data.size=24", "loader.batch_size=4"]
     cfg = boundary.typed(compose_conf(*overrides, *AUGMENTED))
     splits = apply_transforms(build_splits(cfg.data), cfg.transforms, cfg.seed)
     assert isinstance(splits.train, Augmented)

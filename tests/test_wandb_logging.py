@@ -52,9 +52,9 @@ def mode_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
             f"epochs={EPOCHS}",
             "data=synthetic",
             f"data.size={N}",
-            "data.eval_size=5",
+            "data.test_size=5",
             "data.image_size=8",
-            "batch_size=4",
+            "loader.batch_size=4",
             "log_every=1",
             "logger.log_checkpoints=last",
         ),
@@ -136,7 +136,7 @@ def test_per_rank_layout_system_metrics_and_checkpoints(mode_run) -> None:
         ("per_rank", False),
     ]
     assert runs[0].labels == {"rank0"} and not runs[1].stats
-    evals = [x for x in jsonl(run_dir / "rank0" / "metrics.jsonl") if "eval/accuracy" in x]
+    evals = [x for x in jsonl(run_dir / "rank0" / "metrics.jsonl") if "test/accuracy" in x]
     models = [[a for a in wb.artifacts if a["type"] == "model"] for wb in runs]
     assert len(models[0]) == EPOCHS and not models[1]
     for epoch, (artifact, ev) in enumerate(zip(models[0], evals, strict=True)):
@@ -146,14 +146,14 @@ def test_per_rank_layout_system_metrics_and_checkpoints(mode_run) -> None:
         )
         meta = artifact["metadata"]
         assert (meta["kind"], meta["epoch"], meta["step"]) == ("last", epoch, ev["step"])
-        assert (meta["eval/accuracy"], meta["eval/loss"]) == (ev["eval/accuracy"], ev["eval/loss"])
+        assert (meta["test/accuracy"], meta["test/loss"]) == (ev["test/accuracy"], ev["test/loss"])
 
 
 def test_rank0_logs_eval_and_picture(mode_run) -> None:
     _, run_dir, runs = mode_run
-    assert len(rows_with(runs[0], "eval/accuracy")) == EPOCHS
+    assert len(rows_with(runs[0], "test/accuracy")) == EPOCHS
     (sizes,) = rows_with(runs[0], "data/train_size")
-    assert (sizes["data/train_size"], sizes["data/eval_size"]) == (N, 5)
+    assert (sizes["data/train_size"], sizes["data/test_size"]) == (N, 5)
     assert (run_dir / "shards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -218,9 +218,9 @@ def one_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             "epochs=1",
             "data=synthetic",
             f"data.size={N}",
-            "data.eval_size=5",
+            "data.test_size=5",
             "data.image_size=8",
-            "batch_size=4",
+            "loader.batch_size=4",
             "checkpoint.enabled=false",
         )
     )

@@ -7,7 +7,7 @@ import contextlib
 import torch
 
 from ddp_template.config import AmpConfig, AmpMode
-from ddp_template.errors import ConfigError
+from ddp_template.errors import ConfigError, Guarded
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -62,4 +62,15 @@ def build_scaler(cfg: AmpConfig, device: torch.device) -> torch.amp.GradScaler:
         init_scale=cfg.init_scale,
         growth_interval=cfg.growth_interval,
         enabled=cfg.mode == AmpMode.fp16,
+    )
+
+
+def scaler_part(scaler: torch.amp.GradScaler) -> Guarded:
+    """The GradScaler as a checkpoint part; refuses another amp mode's state."""
+    return Guarded(
+        scaler,
+        lambda _: (
+            "it was written with another amp mode (its GradScaler state does not fit this "
+            "run's); resume with the amp mode it was written with, or resume=never."
+        ),
     )

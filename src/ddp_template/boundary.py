@@ -22,8 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from ddp_template import cluster
 from ddp_template.amp import check_amp
 from ddp_template.config import Config
-from ddp_template.data.datasets import SPLIT_KEYS
 from ddp_template.data.samplers import SAMPLER_MODES
+from ddp_template.data.splits import SPLIT_KEYS
 from ddp_template.distributed import (
     LAUNCHER_VAR,
     choose_backend,
@@ -31,7 +31,7 @@ from ddp_template.distributed import (
     launched_by_torchrun,
     node_ranks,
 )
-from ddp_template.errors import ConfigError
+from ddp_template.errors import ConfigError, require
 from ddp_template.parallel import check_compile
 
 INSTANTIATED = ("model", "data")  # groups Hydra instantiates: their keys go to the _target_
@@ -99,21 +99,19 @@ def plain(cfg: Config) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 def check(cfg: Config) -> None:
     """Every startup check, before any process group, data, model or W&B run exists."""
     _check_sizes(cfg)
     _check_sampler(cfg)
     _check_finetune(cfg)
-    _check_transforms(cfg)
     _check_launch(cfg)
     _check_logger(cfg)
     _check_loop(cfg)
-    _require(
+    for f in fields(cfg):  # a group's own checks live beside its schema, as its check()
+        own = getattr(getattr(cfg, f.name), "check", None)
+        if callable(own):
+            own()
+    require(
         cfg.fault.signal is None or hasattr(signal, str(cfg.fault.signal)),
         f"fault.signal={cfg.fault.signal} is not a signal name; use e.g. SIGTERM or SIGUSR1.",
     )
@@ -121,21 +119,15 @@ def check(cfg: Config) -> None:
 
 
 def _check_gpu_host(cfg: Config) -> None:
-    """The backend this node can run, fork with CUDA, determinism, and AMP on CPU ranks."""
+    """The backend this node can run, fork with CUDA, and AMP on CPU ranks."""
     local_world, local_rank_given = node_ranks(cfg.dist.nproc)
     backend = choose_backend(cfg.backend.name, local_world, local_rank_given=local_rank_given)
     starts_ranks = cfg.dist.nproc > 1 and not launched_by_torchrun()
-    _require(
+    require(
         not (starts_ranks and cfg.dist.start_method == "fork" and cuda_devices() > 0),
         "dist.start_method=fork cannot start ranks on a machine with CUDA (this process has "
         "already initialised CUDA, which a forked rank cannot use); use "
         "dist.start_method=forkserver (the default) or spawn.",
-    )
-    _require(
-        not (cfg.deterministic and cfg.cudnn_benchmark),
-        "cudnn_benchmark=true contradicts deterministic=true (benchmark mode times and picks "
-        "convolution kernels per run, not reproducibly); drop cudnn_benchmark (it is off under "
-        "deterministic=true) or set deterministic=false.",
     )
     if cfg.compile:
         check_compile("cuda" if backend.name == "nccl" else "cpu")
@@ -146,84 +138,61 @@ def _check_gpu_host(cfg: Config) -> None:
 
 
 def _check_sizes(cfg: Config) -> None:
-    for key in ("batch_size", "eval_batch_size", "log_every"):
-        value = getattr(cfg, key)
-        _require(value >= 1, f"{key}={value} must be >= 1; e.g. {key}=32.")
-    _require(cfg.epochs >= 0, f"epochs={cfg.epochs} must be >= 0 (0 only evaluates).")
-    _require(cfg.num_workers >= 0, f"num_workers={cfg.num_workers} must be >= 0.")
-    _require(cfg.dist.nproc >= 1, f"dist.nproc={cfg.dist.nproc} must be >= 1.")
-    _require(cfg.dist.max_restarts >= 0, f"dist.max_restarts={cfg.dist.max_restarts} must be >= 0.")
-    _require(
+    require(cfg.log_every >= 1, f"log_every={cfg.log_every} must be >= 1; e.g. log_every=10.")
+    require(cfg.epochs >= 0, f"epochs={cfg.epochs} must be >= 0 (0 only evaluates).")
+    require(cfg.dist.nproc >= 1, f"dist.nproc={cfg.dist.nproc} must be >= 1.")
+    require(cfg.dist.max_restarts >= 0, f"dist.max_restarts={cfg.dist.max_restarts} must be >= 0.")
+    require(
         cfg.max_steps_per_epoch is None or cfg.max_steps_per_epoch >= 1,
         f"max_steps_per_epoch={cfg.max_steps_per_epoch} must be >= 1 or null.",
     )
-    _require(
+    require(
         cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} must be positive; try optim.lr=0.1 for sgd."
     )
-    _require(
+    require(
         cfg.checkpoint.every_steps >= 0 and cfg.checkpoint.keep >= 0,
         "checkpoint.every_steps and checkpoint.keep must be >= 0.",
     )
-    _require(
+    require(
         cfg.checkpoint.preempt_check_every >= 1,
         f"checkpoint.preempt_check_every={cfg.checkpoint.preempt_check_every} must be >= 1.",
     )
 
 
 def _check_logger(cfg: Config) -> None:
+    """What ``logger.log_checkpoints`` needs of the logger and the checkpoint groups."""
     lg = cfg.logger
-    _require(
-        lg.per_rank_max >= 1,
-        f"logger.per_rank_max={lg.per_rank_max} must be >= 1 (ranks that get a W&B run each "
-        f"under logger.layout=auto); e.g. logger.per_rank_max=8.",
-    )
-    _require(
-        lg.straggler_alert is None or lg.straggler_alert > 1,
-        f"logger.straggler_alert={lg.straggler_alert} must be > 1 (the slowest rank's step time "
-        f"over the fastest's) or null for no alert; e.g. logger.straggler_alert=1.5.",
-    )
-    _require(
-        lg.checkpoints in ("false", "last", "best"),
-        f"logger.log_checkpoints={lg.log_checkpoints} is not one of false, last, best; "
-        f"e.g. logger.log_checkpoints=last.",
-    )
-    if lg.checkpoints == "false":
+    kind = str(lg.log_checkpoints)
+    if kind == "none":
         return
-    _require(
+    require(
         lg.name == "wandb" and cfg.checkpoint.enabled,
-        f"logger.log_checkpoints={lg.checkpoints} needs logger=wandb and checkpoint.enabled=true "
+        f"logger.log_checkpoints={kind} needs logger=wandb and checkpoint.enabled=true "
         f"(here logger={lg.name}, checkpoint.enabled={cfg.checkpoint.enabled}); set both or "
         f"drop logger.log_checkpoints.",
     )
-    _require(
-        lg.checkpoints != "best" or cfg.checkpoint.monitor is not None,
-        "logger.log_checkpoints=best needs a best checkpoint, which only checkpoint.monitor "
-        "keeps; set e.g. checkpoint.monitor=eval/accuracy, or use logger.log_checkpoints=last.",
+    require(
+        kind != "best" or cfg.selection.monitor is not None,
+        "logger.log_checkpoints=best needs a best checkpoint, which only selection.monitor "
+        "keeps; set e.g. selection.monitor=test/accuracy, or use logger.log_checkpoints=last.",
     )
 
 
 def _check_loop(cfg: Config) -> None:
-    """Accumulation, DDP options, EMA, the profiler window."""
+    """Accumulation, DDP options, the profiler window."""
     acc = cfg.optim.accumulate
-    _require(acc >= 1, f"optim.accumulate={acc} must be >= 1 (1: no accumulation); e.g. 2.")
-    _require(
+    require(acc >= 1, f"optim.accumulate={acc} must be >= 1 (1: no accumulation); e.g. 2.")
+    require(
         acc == 1 or not cfg.ddp.static_graph,
         f"ddp.static_graph=true cannot run with optim.accumulate={acc} (DDP's static graph "
         f"fails inside no_sync, where the first {acc - 1} micro-batches of each step run); set "
         f"ddp.static_graph=false or optim.accumulate=1.",
     )
     cap = cfg.ddp.bucket_cap_mb
-    _require(cap > 0, f"ddp.bucket_cap_mb={cap} must be positive; torch's default is 25.")
-    decay, ema = cfg.ema.decay, cfg.ema
-    _require(
-        decay is None or 0.0 < decay < 1.0,
-        f"ema.decay={decay} must be in (0, 1), e.g. 0.999, or null for no EMA.",
-    )
-    _require(ema.every >= 1, f"ema.every={ema.every} must be >= 1 (optimizer steps); e.g. 1.")
-    _require(ema.warmup >= 0, f"ema.warmup={ema.warmup} must be >= 0 (optimizer steps).")
+    require(cap > 0, f"ddp.bucket_cap_mb={cap} must be positive; torch's default is 25.")
     for key in ("wait", "warmup", "active"):
         value, least = getattr(cfg.profiler, key), 1 if key == "active" else 0
-        _require(value >= least, f"profiler.{key}={value} must be >= {least} (optimizer steps).")
+        require(value >= least, f"profiler.{key}={value} must be >= {least} (optimizer steps).")
 
 
 def _check_launch(cfg: Config) -> None:
@@ -232,7 +201,7 @@ def _check_launch(cfg: Config) -> None:
         return
     outer = cluster.detect()
     launcher = os.environ.get(LAUNCHER_VAR, outer.launcher)
-    _require(
+    require(
         cfg.dist.nproc == outer.local_world_size,
         f"dist.nproc={cfg.dist.nproc} would start ranks inside rank {outer.rank} of "
         f"{outer.world_size} that {launcher} already started ({outer.local_world_size} on this "
@@ -243,101 +212,52 @@ def _check_launch(cfg: Config) -> None:
 
 def _check_sampler(cfg: Config) -> None:
     mode = SAMPLER_MODES[str(cfg.sampler.mode)]
-    _require(
+    require(
         mode.shuffles or not cfg.sampler.shuffle,
         f"sampler.shuffle=true contradicts sampler={cfg.sampler.mode} ({mode.summary}); set "
         f"sampler.shuffle=false or pick sampler=padded.",
     )
 
 
-MONITORED = ("accuracy", "loss", "top5")  # checkpoint.monitor=<split>/<one of these>
+MONITORED = ("accuracy", "loss", "top5")  # selection.monitor=<split>/<one of these>
 
 
 def _check_finetune(cfg: Config) -> None:
-    """init_from, the loss, the validation split, best.pt and early stopping."""
-    for key in ("init_from_ema", "init_from_strict"):
-        default = key == "init_from_strict"
-        _require(
-            cfg.init_from is not None or getattr(cfg, key) == default,
-            f"{key}={str(getattr(cfg, key)).lower()} only applies to init_from, which is not "
-            f"set; set "
-            f"init_from=<checkpoint> or drop {key}.",
-        )
-    _require(
-        cfg.init_from is None or cfg.resume in ("auto", "never"),
-        f"init_from={cfg.init_from} and resume={cfg.resume} both name a checkpoint; keep "
-        f"resume=<path> to continue that run, or init_from=<path> to start a new one from it.",
+    """The rules that span groups: init_from vs resume, the loss, the validation split, what
+    selection monitors."""
+    init_from = cfg.finetune.init_from
+    require(
+        init_from is None or cfg.resume in ("auto", "never"),
+        f"finetune.init_from={init_from} and resume={cfg.resume} both name a checkpoint; keep "
+        f"resume=<path> to continue that run, or finetune.init_from=<path> to start a new one "
+        f"from it.",
     )
     smoothing = cfg.loss.label_smoothing
-    _require(
+    require(
         0.0 <= smoothing < 1.0,
         f"loss.label_smoothing={smoothing} must be in [0, 1); e.g. loss.label_smoothing=0.1.",
     )
     fraction = cfg.data.get("val_fraction", 0.0)
-    _require(
+    require(
         0.0 <= fraction < 1.0,
         f"data.val_fraction={fraction} must be in [0, 1); e.g. data.val_fraction=0.1 (0: none).",
     )
-    split = "val" if fraction > 0 else "eval"
-    _require(
+    require(
         cfg.eval_split != "val" or fraction > 0,
         "eval_split=val needs a validation split; set data.val_fraction (e.g. 0.1), or "
         "eval_split=test.",
     )
-    monitor, patience = cfg.checkpoint.monitor, cfg.early_stop.patience
-    if monitor is not None:
-        allowed = [f"{split}/{m}" for m in MONITORED]
-        _require(
-            monitor in allowed,
-            f"checkpoint.monitor={monitor} is not a metric evaluated each epoch of this run; "
-            f"use one of {allowed} (val/* needs data.val_fraction > 0), or null.",
-        )
-        _require(
-            cfg.checkpoint.enabled or patience is not None,
-            f"checkpoint.monitor={monitor} keeps best.pt but checkpoint.enabled=false; set "
-            f"checkpoint.enabled=true, or drop checkpoint.monitor.",
-        )
-    if patience is not None:
-        _require(
-            patience >= 1,
-            f"early_stop.patience={patience} must be >= 1 (epochs without a new best); e.g. "
-            f"early_stop.patience=3, or null.",
-        )
-        _require(
-            monitor is not None,
-            f"early_stop.patience={patience} needs a metric to watch; set "
-            f"checkpoint.monitor={split}/accuracy (and checkpoint.mode=max).",
-        )
-
-
-def _check_transforms(cfg: Config) -> None:
-    t = cfg.transforms
-    for key, owner, example in (("padding", "cifar", "4"), ("scale", "imagenet", "[0.08,1.0]")):
-        value = getattr(t, key)
-        _require(
-            value is None or t.name == owner,
-            f"transforms.{key}={value} belongs to transforms={owner} (here transforms.name="
-            f"{t.name}); choose transforms={owner}, or drop transforms.{key}.",
-        )
-        _require(
-            value is not None or t.name != owner,
-            f"transforms.{key}=null: transforms={owner} needs it; e.g. transforms.{key}={example}.",
-        )
-    _require(
-        t.padding is None or t.padding >= 0,
-        f"transforms.padding={t.padding} must be >= 0; e.g. transforms.padding=4.",
+    sel, split = cfg.selection, "val" if fraction > 0 else "test"
+    if sel.monitor is None:
+        return
+    allowed = [f"{split}/{m}" for m in MONITORED]
+    require(
+        sel.monitor in allowed,
+        f"selection.monitor={sel.monitor} is not a metric evaluated each epoch of this run; "
+        f"use one of {allowed} (val/* needs data.val_fraction > 0), or null.",
     )
-    _require(
-        t.scale is None or (len(t.scale) == 2 and 0.0 < t.scale[0] <= t.scale[1] <= 1.0),
-        f"transforms.scale={t.scale} must be [min, max] with 0 < min <= max <= 1; e.g. "
-        f"transforms.scale=[0.08,1.0].",
-    )
-    _require(
-        (t.mean is None) == (t.std is None),
-        f"transforms.mean={t.mean} and transforms.std={t.std} normalise together; give both "
-        f"(one value per channel) or neither.",
-    )
-    _require(
-        t.std is None or all(v > 0 for v in t.std),
-        f"transforms.std={t.std} must be positive; e.g. transforms.std=[0.229,0.224,0.225].",
+    require(
+        cfg.checkpoint.enabled or sel.patience is not None,
+        f"selection.monitor={sel.monitor} keeps best.pt but checkpoint.enabled=false; set "
+        f"checkpoint.enabled=true, or drop selection.monitor.",
     )

@@ -1,35 +1,45 @@
-"""Atomic checkpoints and resume: the newest valid checkpoint, restored bit-identically.
+"""Atomic checkpoints of named stateful parts, and resume: the newest valid one, restored
+bit-identically.
 
-A checkpoint holds everything an uninterrupted run would still have in memory: weights,
-optimizer, schedule, GradScaler, the EMA (``"ema"``), the step and the sampler position within
-the epoch, and the RNG states of every rank. Restoring all of it makes a resumed run
-bit-identical to one that was never stopped. Files are written to a temporary name, flushed to
-disk and renamed over the old one, so a crash mid-write never replaces a good checkpoint with
-half a file.
+A checkpoint holds everything an uninterrupted run would still have in memory, as named parts,
+each with its own ``state_dict``/``load_state_dict`` (the torchtitan way): the parts that are
+the same on every rank are saved from rank 0, the per-rank parts are gathered from every
+rank. Restoring all of them makes a resumed run bit-identical to one that was never stopped. A
+part refuses a saved state it cannot take in one sentence (``Misfit``);
+this module knows none of them by name. Files are written to a temporary name, flushed to disk
+and renamed over the old one, so a crash mid-write never replaces a good checkpoint with half a
+file.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ddp_template.config import CheckpointConfig
 from ddp_template.distributed import DistInfo, broadcast_object, gather_objects
-from ddp_template.engine import Trainer, TrainState
 from ddp_template.errors import ConfigError
-from ddp_template.models import LoadReport, load_matching
 
 log = logging.getLogger("ddp_template")
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+RECORD = ("format", "config", "world_size", "ranks")  # the file's own keys besides the parts
+
+
+class Stateful(Protocol):
+    """A checkpoint part. ``load_state_dict`` raises ``errors.Misfit`` (one sentence) for a
+    saved state it cannot take; a part that can start without one has ``start_fresh() -> str``
+    (what it did, for the log)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def save_atomic(payload: dict[str, Any], path: Path) -> None:
@@ -61,43 +71,14 @@ def load(path: Path, fix: str = RESUME_FIX) -> dict[str, Any]:
             f"{str(exc).splitlines()[0][:100]}); it is damaged or not a checkpoint of this "
             f"template: {fix}."
         ) from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
+    if not isinstance(payload, dict) or "format" not in payload:
+        raise ConfigError(f"checkpoint {path} is not a checkpoint of this template; {fix}.")
+    if payload["format"] != FORMAT_VERSION:
         raise ConfigError(
-            f"checkpoint {path} is not a format-{FORMAT_VERSION} checkpoint of this template; "
-            f"{fix}."
+            f"checkpoint {path} has format {payload['format']}, which this version of the "
+            f"template no longer reads (it reads format {FORMAT_VERSION}); {fix}."
         )
     return payload
-
-
-def _rng_state() -> dict[str, Any]:
-    """This rank's RNG states as plain bytes/ints: they travel through all_gather_object and
-    load under ``weights_only=True``."""
-    np_state = np.random.get_state()
-    py_version, py_state, _ = random.getstate()
-    state = {
-        "torch": torch.get_rng_state().numpy().tobytes(),
-        "python": list(py_state),
-        "python_version": py_version,
-        "numpy": np_state[1].tobytes(),
-        "numpy_pos": int(np_state[2]),
-    }
-    # is_initialized, not is_available: a gloo rank on a GPU host must not create a CUDA context.
-    if torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
-    return state
-
-
-def _bytes_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(_bytes_tensor(state["torch"]))
-    random.setstate((state["python_version"], tuple(state["python"]), None))
-    np_keys = np.frombuffer(state["numpy"], dtype=np.uint32).copy()
-    np.random.set_state(("MT19937", np_keys, state["numpy_pos"], 0, 0.0))
-    if "cuda" in state and torch.cuda.is_initialized():
-        torch.cuda.set_rng_state(_bytes_tensor(state["cuda"]))
 
 
 class Found(NamedTuple):
@@ -111,7 +92,7 @@ class Saved(NamedTuple):
     """What one ``Checkpointer.save`` wrote (on rank 0; the same answer on every rank)."""
 
     last: Path | None
-    best: Path | None  # best.pt, when this save was a new best of checkpoint.monitor
+    copies: dict[str, Path]  # by kind (the file name's stem): the copies this save wrote
 
 
 def _epoch_number(path: Path) -> int:
@@ -121,94 +102,52 @@ def _epoch_number(path: Path) -> int:
 
 @dataclass(kw_only=True)
 class Checkpointer:
-    """Built once with what it saves; rank 0 writes and every rank contributes its RNG state
-    and sampler position (``save`` is a collective: call it on all ranks)."""
+    """Built once with the parts it saves; rank 0 writes and every rank contributes its own
+    parts (``save`` is a collective: call it on all ranks)."""
 
     directory: Path
     cfg: CheckpointConfig
-    trainer: Trainer
+    parts: dict[str, Stateful]  # the same on every rank: rank 0's are saved
+    rank_parts: dict[str, Stateful] = field(default_factory=dict)  # each rank's, gathered
     config_yaml: str  # the resolved config, stored for the record
     info: DistInfo
-    best_value: float | None = None  # of checkpoint.monitor, over the run's epochs so far
-    best_epoch: int | None = None
 
-    def payload(self, state: TrainState) -> dict[str, Any]:
-        tr = self.trainer
-        mine = {"rng": _rng_state(), "sampler": tr.sampler.state_dict(state.position)}
+    def payload(self) -> dict[str, Any]:
+        mine = {name: part.state_dict() for name, part in self.rank_parts.items()}
         ranks = gather_objects(mine, self.info)
-        ema = {"ema": tr.ema.state_dict()} if tr.ema is not None else {}
-        return ema | {
+        return {name: part.state_dict() for name, part in self.parts.items()} | {
             "format": FORMAT_VERSION,
-            "model": tr.module.state_dict(),
-            "optimizer": tr.optimizer.state_dict(),
-            "scheduler": tr.scheduler.state_dict(),
-            "scaler": tr.scaler.state_dict(),
-            "epoch": state.epoch,
-            "step": state.step,
-            "position": state.position,
-            "sampler": [r["sampler"] for r in ranks],
-            "rng": [r["rng"] for r in ranks],
-            "world_size": self.info.world_size,
-            "accumulate": _accumulate(tr),
             "config": self.config_yaml,
-            "best": self.best_record(),
+            "world_size": self.info.world_size,
+            "ranks": ranks,
         }
 
-    def best_record(self) -> dict[str, Any] | None:
-        if self.cfg.monitor is None:
-            return None
-        return {"monitor": self.cfg.monitor, "value": self.best_value, "epoch": self.best_epoch}
-
-    def restore_best(self, payload: dict[str, Any]) -> None:
-        """Resume the best-so-far of a checkpoint that monitored the same metric."""
-        record = payload.get("best")
-        if record is not None and record["monitor"] == self.cfg.monitor:
-            self.best_value, self.best_epoch = record["value"], record["epoch"]
-
-    def improves(self, metrics: dict[str, float], epoch: int) -> bool:
-        """Record ``metrics[checkpoint.monitor]`` of ``epoch``; True when it is a new best.
-        Every rank holds the same all-reduced metrics, so every rank decides alike."""
-        if self.cfg.monitor is None:
-            return False
-        if self.cfg.monitor not in metrics:
-            raise ConfigError(
-                f"checkpoint.monitor={self.cfg.monitor} is not logged by this run (it logs "
-                f"{sorted(metrics)}); monitor one of those."
-            )
-        value = float(metrics[self.cfg.monitor])
-        best = self.best_value
-        better = best is None or (value > best if self.cfg.mode == "max" else value < best)
-        if better:
-            self.best_value, self.best_epoch = value, epoch
-        return better
-
-    def stale_epochs(self, epoch: int) -> int:
-        """Epochs up to ``epoch`` since the best one (0 while none is recorded)."""
-        return 0 if self.best_epoch is None else epoch - self.best_epoch
+    def restore(self, found: Found) -> None:
+        restore(found, parts=self.parts, rank_parts=self.rank_parts, info=self.info)
 
     @property
     def last(self) -> Path | None:
         """The newest checkpoint's path (None with checkpoint.enabled=false)."""
         return self.directory / "last.pt" if self.cfg.enabled else None
 
-    def save(self, state: TrainState, epoch_end: bool = False, best: bool = False) -> Saved:
-        """last.pt (and epoch_<k>.pt at epoch ends); with ``best`` also best.pt, the same
-        payload, written atomically as well."""
+    def save(self, *, epochs_done: int | None = None, copies: tuple[str, ...] = ()) -> Saved:
+        """last.pt (at an epoch end also epoch_<epochs_done>.pt), plus a copy under each name
+        in ``copies`` (a selected epoch's), each written atomically."""
         path = self.last
         if path is None:
-            return Saved(None, None)
-        best_path = self.directory / "best.pt" if best else None
-        payload = self.payload(state)
+            return Saved(None, {})
+        written = {Path(name).stem: self.directory / name for name in copies}
+        payload = self.payload()
         if self.info.is_main:
             save_atomic(payload, path)
-            if epoch_end and self.cfg.keep > 0:
-                save_atomic(payload, self.directory / f"epoch_{state.epoch}.pt")
+            if epochs_done is not None and self.cfg.keep > 0:
+                save_atomic(payload, self.directory / f"epoch_{epochs_done}.pt")
                 self._prune()
-            if best_path is not None:
-                save_atomic(payload, best_path)
+            for copy in written.values():
+                save_atomic(payload, copy)
         if self.info.distributed:
             dist.barrier()  # nobody runs ahead (or exits) before the file is in place
-        return Saved(path, best_path)
+        return Saved(path, written)
 
     def due(self, step: int) -> bool:
         every = self.cfg.every_steps
@@ -251,66 +190,38 @@ def find_resume(resume: str, directory: Path) -> Found | None:
     return None
 
 
-def check_compatible(payload: dict[str, Any], path: Path, info: DistInfo) -> None:
+def restore(
+    found: Found, *, parts: dict[str, Stateful], rank_parts: dict[str, Stateful], info: DistInfo
+) -> None:
+    """Put every part back where it was, in order; refuse a checkpoint this run cannot continue
+    (another world size before anything is touched)."""
+    path, payload = found
     if payload["world_size"] != info.world_size:
         raise ConfigError(
             f"checkpoint {path} was written with world size {payload['world_size']} but this run "
             f"has {info.world_size} ranks; resume with {payload['world_size']} ranks "
             f"(dist.nproc / --nproc-per-node), or start fresh with resume=never."
         )
+    _load_parts(parts, {k: v for k, v in payload.items() if k not in RECORD}, path)
+    _load_parts(rank_parts, payload["ranks"][info.rank], path)
 
 
-def restore(found: Found, tr: Trainer, state: TrainState, info: DistInfo) -> None:
-    """Put every piece back where it was; refuse a checkpoint this run cannot continue."""
-    payload, path = found.payload, found.path
-    check_compatible(payload, path, info)
-    saved_k, k = payload.get("accumulate", 1), _accumulate(tr)
-    if saved_k != k:  # a mid-epoch position need not be a step boundary of another K
-        raise ConfigError(
-            f"checkpoint {path} was written with optim.accumulate={saved_k} but this run has "
-            f"optim.accumulate={k}; resume with optim.accumulate={saved_k}, or start a new run "
-            f"from its weights with init_from={path}."
-        )
-    try:
-        tr.sampler.load_state_dict(payload["sampler"][info.rank])
-    except ValueError as exc:
-        raise ConfigError(f"checkpoint {path}: {exc}") from None
-    try:
-        tr.module.load_state_dict(payload["model"])
-    except RuntimeError as exc:
-        raise ConfigError(
-            f"checkpoint {path} holds a different model ({str(exc).splitlines()[0][:100]}); "
-            f"resume with the model config it was written with, or resume=never."
-        ) from None
-    tr.optimizer.load_state_dict(payload["optimizer"])
-    tr.scheduler.load_state_dict(payload["scheduler"])
-    try:
-        tr.scaler.load_state_dict(payload["scaler"])
-    except RuntimeError:
-        raise ConfigError(
-            f"checkpoint {path} was written with another amp mode (its GradScaler state does not "
-            f"fit this run's); resume with the amp mode it was written with, or resume=never."
-        ) from None
-    _restore_ema(payload, path, tr)
-    state.epoch, state.step, state.position = payload["epoch"], payload["step"], payload["position"]
-    _set_rng_state(payload["rng"][info.rank])
-
-
-def _accumulate(tr: Trainer) -> int:
-    return tr.schedule.accumulate if tr.schedule is not None else 1
-
-
-def _restore_ema(payload: dict[str, Any], path: Path, tr: Trainer) -> None:
-    """The EMA's weights and counters; a checkpoint without one starts it from the weights."""
-    if tr.ema is None:
-        if "ema" in payload:
-            log.info("checkpoint %s holds an EMA; this run has ema.decay=null: not restored", path)
-        return
-    if "ema" not in payload:
-        tr.ema.load_state_dict({"model": tr.module.state_dict(), "updates": 0})
-        log.info("checkpoint %s holds no EMA: the EMA starts from its weights", path)
-        return
-    tr.ema.load_state_dict(payload["ema"])
+def _load_parts(parts: dict[str, Stateful], saved: dict[str, Any], path: Path) -> None:
+    for name in saved.keys() - parts.keys():
+        log.info("checkpoint %s holds a %s part, which this run has not: not restored", path, name)
+    for name, part in parts.items():
+        if name in saved:
+            try:
+                part.load_state_dict(saved[name])
+            except ValueError as exc:  # errors.Misfit, or a part's own ValueError
+                raise ConfigError(f"checkpoint {path}: {exc}") from None
+        elif hasattr(part, "start_fresh"):
+            log.info("checkpoint %s holds no %s part: %s", path, name, part.start_fresh())
+        else:
+            raise ConfigError(
+                f"checkpoint {path} holds no {name} part, which this run needs; resume with "
+                f"the config it was written with, or start fresh with resume=never."
+            )
 
 
 def resume_rank0(resume: str, directory: Path, info: DistInfo) -> Found | None:
@@ -322,31 +233,3 @@ def resume_rank0(resume: str, directory: Path, info: DistInfo) -> Found | None:
     if found is not None:
         return found
     return Found(Path(chosen), load(Path(chosen)))
-
-
-def init_weights(path_str: str, module: torch.nn.Module, *, ema: bool, strict: bool) -> LoadReport:
-    """``init_from``: a checkpoint's model (or EMA) weights into a fresh run's model.
-
-    Only the weights are read, so the checkpoint's world size, sampler mode, optimizer and step
-    do not matter. Every rank reads the same file; tensors whose shape differs (a head for
-    another number of classes) keep the model's fresh, seeded initialisation.
-    """
-    path = Path(path_str).expanduser()
-    if not path.is_file():
-        raise ConfigError(
-            f"init_from={path_str} is not a file; give a checkpoint's path, e.g. "
-            f"outputs/<run id>/checkpoints/last.pt or best.pt."
-        )
-    payload = load(path, fix="pass another checkpoint with init_from=<path>")
-    if ema:
-        if not isinstance(payload.get("ema"), dict) or "model" not in payload["ema"]:
-            raise ConfigError(
-                f"init_from_ema=true but checkpoint {path} holds no EMA weights (it was written "
-                f"without EMA); set init_from_ema=false to take its model weights."
-            )
-        state = payload["ema"]["model"]
-    else:
-        state = payload["model"]
-    source = f"init_from={path_str}" + (" (EMA)" if ema else "")
-    fix = ", or set init_from_strict=false to load only the keys both have"
-    return load_matching(module, state, strict=strict, source=source, fix=fix)

@@ -12,107 +12,46 @@ validated by their own schema, while a user's own ``_target_`` YAML needs no sch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-
-class Choice(str, Enum):
-    """A closed set of choices; ``str(choice)`` is its plain value (what builders pass on)."""
-
-    def __str__(self) -> str:
-        return str.__str__(self)
-
-
-class MatmulPrecision(Choice):
-    """``torch.set_float32_matmul_precision``: highest is fp32; high allows TF32 on GPUs."""
-
-    highest = "highest"
-    high = "high"
-    medium = "medium"
-
-
-class SamplerMode(Choice):
-    padded = "padded"
-    drop_last = "drop_last"
-    sequential = "sequential"
-
-
-class Permutation(Choice):
-    auto = "auto"
-    randperm = "randperm"
-    feistel = "feistel"
-
-
-class BackendName(Choice):
-    auto = "auto"
-    gloo = "gloo"
-    nccl = "nccl"
-
-
-class AmpMode(Choice):
-    off = "off"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-class Schedule(Choice):
-    none = "none"
-    cosine = "cosine"
-
-
-class OptimName(Choice):
-    sgd = "sgd"
-    adamw = "adamw"
-
-
-class LoggerName(Choice):
-    wandb = "wandb"
-    none = "none"
-
-
-class WandbMode(Choice):
-    offline = "offline"
-    online = "online"
-    disabled = "disabled"
-
-
-class WandbLayout(Choice):
-    auto = "auto"
-    per_rank = "per_rank"
-    main = "main"
-    shared = "shared"
-
-
-class SystemMetrics(Choice):
-    node = "node"
-    all = "all"
-    off = "off"
-
-
-class TransformName(Choice):
-    none = "none"
-    cifar = "cifar"
-    imagenet = "imagenet"
-
-
-class EvalSplit(Choice):
-    test = "test"
-    val = "val"
-    train = "train"
-
-
-class MonitorMode(Choice):
-    max = "max"
-    min = "min"
-
-
-class StartMethod(Choice):
-    spawn = "spawn"
-    forkserver = "forkserver"
-    fork = "fork"
+from ddp_template.choices import (
+    AmpMode,
+    BackendName,
+    EvalSplit,
+    LogCheckpoints,
+    LoggerName,
+    MatmulPrecision,
+    OptimName,
+    Permutation,
+    SamplerMode,
+    Schedule,
+    StartMethod,
+    SystemMetrics,
+    WandbLayout,
+    WandbMode,
+)
+from ddp_template.errors import ConfigError
+from ddp_template.loop_config import (
+    DDPConfig,
+    EmaConfig,
+    FinetuneConfig,
+    ProfilerConfig,
+    SelectionConfig,
+)
+from ddp_template.options import (
+    ArrayConfig,
+    DigitsConfig,
+    ImageFolderConfig,
+    ResNet18Config,
+    SmallCNNConfig,
+    SyntheticConfig,
+    TorchvisionDataConfig,
+    TorchvisionModelConfig,
+    TransformsConfig,
+)
 
 
 @dataclass
@@ -144,96 +83,46 @@ class AmpConfig:
 
 
 @dataclass
-class SmallCNNConfig:
-    _target_: str = "ddp_template.models.small_cnn"
-    width: int = 32
-    depth: int = 2
-    dropout: float = 0.0
-    norm: str = "batch"  # batch | group | none
-
-
-@dataclass
-class ResNet18Config:
-    _target_: str = "ddp_template.models.resnet18"
-    zero_init_residual: bool = False
-
-
-@dataclass
-class TorchvisionModelConfig:
-    _target_: str = "ddp_template.models.torchvision_model"
-    name: str = "mobilenet_v3_small"
-    min_image_size: int = 32
-    weights: str | None = None  # DEFAULT or a weights enum name, e.g. IMAGENET1K_V1 (downloads)
-    weights_path: str | None = None  # a local .pth state_dict instead of a download
-
-
-@dataclass
-class DataSplitConfig:
-    """Keys of every built-in data option that the data builder applies itself."""
-
-    val_fraction: float = 0.0  # carve this fraction of the training data as a validation split
-
-
-@dataclass
-class DigitsConfig(DataSplitConfig):
-    _target_: str = "ddp_template.data.datasets.digits"
-    test_fraction: float = 0.2
-    split_seed: int = 0
-
-
-@dataclass
-class SyntheticConfig(DataSplitConfig):
-    _target_: str = "ddp_template.data.datasets.synthetic"
-    size: int = 4096
-    eval_size: int = 1024
-    channels: int = 3
-    image_size: int = 32
-    num_classes: int = 10
-    noise: float = 1.0
-    seed: int = 0
-
-
-@dataclass
-class TorchvisionDataConfig(DataSplitConfig):
-    _target_: str = MISSING
-    root: str = "${paths.data_root}"
-    download: bool = True
-
-
-@dataclass
-class ImageFolderConfig(DataSplitConfig):
-    _target_: str = "ddp_template.data.datasets.imagefolder"
-    path: str = MISSING  # holds train/ and val/ class folders
-    image_size: int = 64
-
-
-@dataclass
-class ArrayConfig(DataSplitConfig):
-    _target_: str = "ddp_template.data.array.array_dataset"
-    path: str = MISSING  # .npz with x_train/y_train/x_test/y_test, or a folder of train/test .csv
-    image_shape: list[int] | None = None
-
-
-@dataclass
-class TransformsConfig:
-    """Training-time augmentation (training split only), torchvision transforms v2."""
-
-    name: TransformName = TransformName.none
-    padding: int | None = None  # cifar (4): random crop after padding each side by this many px
-    scale: list[float] | None = None  # imagenet ([0.08, 1.0]): the random crop's area range
-    # Normalise both splits with these (null: the data builder's own normalisation, if any).
-    mean: list[float] | None = None
-    std: list[float] | None = None
-
-
-@dataclass
 class LossConfig:
-    label_smoothing: float = 0.0  # training loss only; eval/loss is the plain cross-entropy
+    label_smoothing: float = 0.0  # training loss only; test/loss is the plain cross-entropy
 
 
 @dataclass
-class EarlyStopConfig:
-    patience: int | None = None  # stop after this many epochs without a new best (monitor)
+class LoaderConfig:
+    """The DataLoaders (``data.loader.build_train_loader``, ``build_eval_loader``)."""
+
+    batch_size: int = 32  # per rank: the global batch is batch_size x world size x accumulate
+    eval_batch_size: int = 256  # per rank
+    num_workers: int = 0  # DataLoader workers per rank
+    pin_memory: bool = True  # page-locked batches for the host-to-GPU copy (CUDA ranks)
+    persistent_workers: bool = True  # workers live across epochs (num_workers > 0)
+
+    def check(self) -> None:
+        for key in ("batch_size", "eval_batch_size"):
+            value = getattr(self, key)
+            if value < 1:
+                raise ConfigError(f"loader.{key}={value} must be >= 1; e.g. loader.{key}=32.")
+        if self.num_workers < 0:
+            raise ConfigError(f"loader.num_workers={self.num_workers} must be >= 0.")
+
+
+@dataclass
+class NumericsConfig:
+    """Numerics and GPU speed (``numerics.apply``; README "GPU hosts")."""
+
+    deterministic: bool = False  # deterministic algorithms, cuDNN benchmark off
+    matmul_precision: MatmulPrecision = MatmulPrecision.high  # high: TF32 matmuls on GPUs
+    cudnn_benchmark: bool | None = None  # None: on unless deterministic
+    channels_last: bool = False  # conv models: weights and input batches in NHWC
+
+    def check(self) -> None:
+        if self.deterministic and self.cudnn_benchmark:
+            raise ConfigError(
+                "numerics.cudnn_benchmark=true contradicts numerics.deterministic=true "
+                "(benchmark mode times and picks convolution kernels per run, not "
+                "reproducibly); drop numerics.cudnn_benchmark (it is off under deterministic) "
+                "or set numerics.deterministic=false."
+            )
 
 
 @dataclass
@@ -262,14 +151,21 @@ class LoggerConfig:
     layout: WandbLayout = WandbLayout.auto  # auto: per_rank up to per_rank_max ranks, else main
     per_rank_max: int = 8
     system_metrics: SystemMetrics = SystemMetrics.node  # node: local rank 0 of each node
-    # false | last | best: a string, since Hydra reads a bare `false` as a bool
-    log_checkpoints: str = "false"
+    log_checkpoints: LogCheckpoints = LogCheckpoints.none
     straggler_alert: float | None = 1.5  # slowest rank's step time / fastest's; None: never
 
-    @property
-    def checkpoints(self) -> str:
-        """``log_checkpoints`` as false, last or best (a bare ``false`` arrives as "False")."""
-        return str(self.log_checkpoints).lower()
+    def check(self) -> None:
+        if self.per_rank_max < 1:
+            raise ConfigError(
+                f"logger.per_rank_max={self.per_rank_max} must be >= 1 (ranks that get a W&B "
+                f"run each under logger.layout=auto); e.g. logger.per_rank_max=8."
+            )
+        alert = self.straggler_alert
+        if alert is not None and alert <= 1:
+            raise ConfigError(
+                f"logger.straggler_alert={alert} must be > 1 (the slowest rank's step time over "
+                f"the fastest's) or null for no alert; e.g. logger.straggler_alert=1.5."
+            )
 
 
 @dataclass
@@ -287,10 +183,6 @@ class CheckpointConfig:
     # Steps between the (asynchronous) all-reduces that let all ranks agree on a preemption
     # signal: a signal stops the run within 2x this many steps, or at the epoch end.
     preempt_check_every: int = 10
-    # Keep best.pt beside last.pt: the epoch whose eval/<metric> was best (eval/accuracy,
-    # eval/loss, eval/top5), by mode (max or min). null: no best.pt.
-    monitor: str | None = None
-    mode: MonitorMode = MonitorMode.max
 
 
 @dataclass
@@ -302,33 +194,6 @@ class FaultConfig:
     signal: str | None = None  # e.g. SIGTERM: send it instead of raising
     process_group: bool = False  # send the signal to the whole process group (like Ctrl-C)
     attempt: int = 0  # only on this elastic restart attempt (so the restart can finish)
-
-
-# The research loop: DDP options, EMA, the profiler window (compile is the top-level key).
-@dataclass
-class DDPConfig:
-    """Arguments of torch's DistributedDataParallel (only with more than one rank)."""
-
-    find_unused_parameters: bool = False
-    static_graph: bool = False
-    gradient_as_bucket_view: bool = False
-    bucket_cap_mb: float = 25.0
-    broadcast_buffers: bool = True
-
-
-@dataclass
-class EmaConfig:
-    decay: float | None = None  # None: no EMA; e.g. 0.999
-    every: int = 1  # optimizer steps between EMA updates
-    warmup: int = 0  # optimizer steps during which the EMA copies the weights (no averaging)
-
-
-@dataclass
-class ProfilerConfig:
-    enabled: bool = False
-    wait: int = 1  # optimizer steps skipped first
-    warmup: int = 1  # steps profiled but discarded
-    active: int = 3  # steps recorded into rank<r>/trace_step<k>.pt.trace.json
 
 
 @dataclass
@@ -358,31 +223,19 @@ class Config:
     compile: bool = False  # torch.compile the model (DDP-wrapped first)
     seed: int = 0
     epochs: int = 10  # 0: evaluate the initial (or resumed) model without training
-    batch_size: int = 32  # per rank: the global batch is batch_size x world size
-    eval_batch_size: int = 256  # per rank
-    num_workers: int = 0  # DataLoader workers per rank
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
     max_steps_per_epoch: int | None = None  # cap each epoch at this many steps (smoke runs)
     log_every: int = 10  # steps between interval logs
     resume: str = "auto"  # auto | never | <path to a checkpoint>
     shard_report_max_n: int = 10_000_000  # ranks keep their indices for a mismatch's report
-    # Numerics and GPU speed (numerics.py, data/loader.py; README "GPU hosts").
-    deterministic: bool = False  # deterministic algorithms, cuDNN benchmark off
-    matmul_precision: MatmulPrecision = MatmulPrecision.high  # high: TF32 matmuls on GPUs
-    cudnn_benchmark: bool | None = None  # None: on unless deterministic
-    channels_last: bool = False  # conv models: weights and input batches in NHWC
-    pin_memory: bool = True  # page-locked batches for the host-to-GPU copy (CUDA ranks)
-    persistent_workers: bool = True  # loader workers live across epochs (num_workers > 0)
-    # Start a fresh run from a checkpoint's weights (any world size; resume wins if this run
-    # already has a checkpoint of its own). Shapes that differ (a new head) start fresh.
-    init_from: str | None = None
-    init_from_ema: bool = False  # take the checkpoint's EMA weights instead
-    init_from_strict: bool = True  # refuse missing/unexpected keys
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
     # The split of the final evaluation (summary.json): test, val (data.val_fraction > 0) or
-    # train (without augmentation). With epochs=0 and init_from: evaluate a checkpoint on it.
+    # train (without augmentation). With epochs=0 and finetune.init_from: evaluate a checkpoint.
     eval_split: EvalSplit = EvalSplit.test
     loss: LossConfig = field(default_factory=LossConfig)
     transforms: TransformsConfig = field(default_factory=TransformsConfig)
-    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
 
 def register_configs() -> None:

@@ -22,6 +22,7 @@ from ddp_template.distributed import DistInfo
 class EMA:
     def __init__(self, *, model: nn.Module, cfg: EmaConfig, info: DistInfo) -> None:
         self.module = copy.deepcopy(model).eval().requires_grad_(False)
+        self.source = model  # what it averages (a checkpoint without an EMA restarts from it)
         self.decay = float(cfg.decay)
         self.every = cfg.every
         self.warmup = cfg.warmup
@@ -42,6 +43,10 @@ class EMA:
         self._copy_buffers(model)
         self.updates += 1
 
+    def after_step(self, state: Any) -> None:
+        """The step hook: average after optimizer step ``state.step``."""
+        self.update(self.source, state.step)
+
     def _copy_buffers(self, model: nn.Module) -> None:
         buffers = list(self.module.buffers())
         if not buffers:
@@ -56,7 +61,7 @@ class EMA:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        """``model`` is the averaged module's state_dict (what ``init_from`` reads)."""
+        """``model`` is the averaged module's state_dict (what ``finetune.init_from`` reads)."""
         return {
             "model": self.module.state_dict(),
             "updates": self.updates,
@@ -68,6 +73,11 @@ class EMA:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
         self.updates = int(state["updates"])
+
+    def start_fresh(self) -> str:
+        """A checkpoint without an EMA: start from the (restored) weights."""
+        self.load_state_dict({"model": self.source.state_dict(), "updates": 0})
+        return "the EMA starts from its weights"
 
 
 def build_ema(cfg: EmaConfig, model: nn.Module, info: DistInfo) -> EMA | None:

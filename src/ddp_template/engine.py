@@ -1,4 +1,4 @@
-"""Train one epoch and evaluate exactly (AMP, GradScaler, per-rank data accounting).
+"""Train one epoch (AMP, GradScaler, per-rank data accounting); ``evaluation`` evaluates.
 
 An optimizer step takes ``optim.accumulate`` micro-batches (the step arithmetic is
 ``data.schedule.StepSchedule``'s): each micro-batch's loss is weighted by its share of the step's
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_template.amp import autocast
 from ddp_template.data.accounting import IndexTally
 from ddp_template.data.schedule import StepSchedule
-from ddp_template.distributed import DistInfo, all_reduce_sum
+from ddp_template.distributed import DistInfo
 
 
 @dataclass
@@ -50,7 +50,6 @@ class Trainer:
     grad_clip: float | None = None
     log_every: int = 10
     schedule: StepSchedule | None = None  # which micro-batches make each optimizer step
-    ema: Any = None  # an ema.EMA, updated after every optimizer step, or None
     keep_indices: bool = False
     label_smoothing: float = 0.0
 
@@ -181,8 +180,6 @@ def train_one_epoch(
         norm = _optimizer_step(tr, want_norm)
         state.step += 1
         stats.steps += 1
-        if tr.ema is not None:
-            tr.ema.update(tr.module, state.step)
         if want_norm:
             now = time.perf_counter()
             on_interval(
@@ -203,121 +200,3 @@ def train_one_epoch(
     stats.loss_sum = float(loss_acc.item())  # waits for the device: time the whole epoch
     stats.wall_s = time.perf_counter() - start
     return stats
-
-
-TOP_K = 5  # eval/top5, for data with at least this many classes
-
-
-@dataclass
-class EvalResult:
-    """Exact counts over the whole split (summed over ranks, never averaged ratios)."""
-
-    correct: int
-    count: int
-    loss_sum: float
-    top5_correct: int | None = None  # None with fewer than TOP_K classes
-    class_correct: list[int] = field(default_factory=list)
-    class_count: list[int] = field(default_factory=list)
-    split: str = "test"  # which split summary.json's eval_* keys describe (eval_split)
-
-    @property
-    def accuracy(self) -> float:
-        return self.correct / self.count if self.count else 0.0
-
-    @property
-    def loss(self) -> float:
-        return self.loss_sum / self.count if self.count else float("nan")
-
-    @property
-    def top5(self) -> float | None:
-        if self.top5_correct is None:
-            return None
-        return self.top5_correct / self.count if self.count else 0.0
-
-    @property
-    def class_accuracy(self) -> list[float | None]:
-        return [
-            c / n if n else None for c, n in zip(self.class_correct, self.class_count, strict=True)
-        ]
-
-    def metrics(self, prefix: str = "eval") -> dict[str, float]:
-        """The per-epoch keys: <prefix>/accuracy, /loss, /correct and /top5 (>= 5 classes)."""
-        out = {
-            f"{prefix}/accuracy": self.accuracy,
-            f"{prefix}/loss": self.loss,
-            f"{prefix}/correct": self.correct,
-        }
-        if self.top5 is not None:
-            out[f"{prefix}/top5"] = self.top5
-        return out
-
-    def summary(self, prefix: str = "eval") -> dict[str, Any]:
-        """summary.json's keys for this split."""
-        out = {
-            f"{prefix}_split": self.split,
-            f"{prefix}_accuracy": self.accuracy,
-            f"{prefix}_correct": self.correct,
-            f"{prefix}_count": self.count,
-            f"{prefix}_loss": self.loss,
-            f"{prefix}_per_class_correct": self.class_correct,
-            f"{prefix}_per_class_count": self.class_count,
-            f"{prefix}_per_class_accuracy": self.class_accuracy,
-        }
-        if self.top5 is not None:
-            out[f"{prefix}_top5"] = self.top5
-            out[f"{prefix}_top5_correct"] = self.top5_correct
-        return out
-
-
-def sync_buffers(module: nn.Module, info: DistInfo) -> None:
-    """Give every rank rank 0's buffers (BN running stats).
-
-    DDP broadcasts buffers at the start of each forward, then every rank updates them from its
-    own batch; after the last step the ranks' running stats differ. Evaluating rank 0's model
-    everywhere makes the distributed result equal the single-process one.
-    """
-    if info.distributed:
-        for buf in module.buffers():
-            torch.distributed.broadcast(buf, src=0)
-
-
-@torch.no_grad()
-def evaluate(
-    module: nn.Module, loader: Any, info: DistInfo, amp_mode: str, *, num_classes: int
-) -> EvalResult:
-    """Exact evaluation: unpadded shards, sums all-reduced.
-
-    ``module`` is the unwrapped model: a DDP forward may run collectives (buffer broadcast,
-    SyncBN), and ranks with different (or empty) shards would then deadlock or mismatch.
-    ``num_classes`` sizes the per-class counts, which a rank with an empty shard cannot infer.
-    """
-    sync_buffers(module, info)
-    was_training = module.training
-    module.eval()
-    c = num_classes
-    # correct, count, loss, top-k correct, then per class: correct (c values), count (c values)
-    sums = torch.zeros(4 + 2 * c, dtype=torch.float64, device=info.device)
-    for x, y, _ in loader:
-        x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
-        with autocast(amp_mode, info.device):
-            logits = module(x)
-        hit = logits.argmax(dim=1) == y
-        sums[0] += hit.sum()
-        sums[1] += len(y)
-        sums[2] += F.cross_entropy(logits.float(), y, reduction="sum").double()
-        if c >= TOP_K:
-            top = logits.topk(TOP_K, dim=1).indices
-            sums[3] += (top == y[:, None]).any(dim=1).sum()
-        sums[4 : 4 + c] += torch.bincount(y[hit], minlength=c)[:c].double()
-        sums[4 + c :] += torch.bincount(y, minlength=c)[:c].double()
-    all_reduce_sum(sums, info)
-    module.train(was_training)
-    n = [int(v) for v in sums.tolist()]
-    return EvalResult(
-        correct=n[0],
-        count=n[1],
-        loss_sum=float(sums[2].item()),
-        top5_correct=n[3] if c >= TOP_K else None,
-        class_correct=n[4 : 4 + c],
-        class_count=n[4 + c :],
-    )

@@ -4,6 +4,7 @@ Its message is one sentence that names the key, the bad value and the fix; ``tra
 it without a traceback and exits with ``EXIT_CONFIG_ERROR``.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 EXIT_CONFIG_ERROR = 2
@@ -13,6 +14,34 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 class ConfigError(ValueError):
     """Bad input detected at startup; the message is meant for the user as is."""
+
+
+def require(ok: bool, message: str) -> None:
+    """A startup check: ``message`` (one sentence: key, value, fix) unless ``ok``."""
+    if not ok:
+        raise ConfigError(message)
+
+
+class Misfit(ValueError):
+    """A checkpoint part's saved state that this run's part cannot take: one sentence, which
+    the checkpoint prefixes with the file's path."""
+
+
+class Guarded:
+    """A torch object (a module, a GradScaler) as a checkpoint part: the RuntimeError of its
+    ``load_state_dict`` becomes a ``Misfit`` saying ``misfit(the first line of torch's)``."""
+
+    def __init__(self, target: Any, misfit: Callable[[str], str]) -> None:
+        self.target, self.misfit = target, misfit
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.target.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            self.target.load_state_dict(state)
+        except RuntimeError as exc:
+            raise Misfit(self.misfit(str(exc).splitlines()[0][:100])) from None
 
 
 def instantiate_clean(node: Any, **kwargs: Any) -> Any:

@@ -11,40 +11,17 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 from ddp_template.config import LoggerConfig, LoggerName, WandbLayout
+from ddp_template.console import report_lines, split_sizes, write_summary
 from ddp_template.distributed import DistInfo, barrier, gather_objects
 from ddp_template.run_identity import RunInfo
 from ddp_template.wandb_run import Layout, choose_layout, start_wandb, wandb_id
 
 log = logging.getLogger("ddp_template")
-
-
-def setup_console(info: DistInfo, run_dir: Path) -> None:
-    """Rank 0 talks; other ranks only warn. Each rank also logs to its file in the run dir.
-
-    Under Hydra (torchrun, single process) the file handler already exists; in-process
-    workers start without Hydra's logging, so they get the same layout here.
-    """
-    root = logging.getLogger()
-    if not any(isinstance(h, logging.FileHandler) for h in root.handlers):
-        name = "train.log" if info.is_main else f"rank{info.rank}.log"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(run_dir / name)
-        fmt = f"[%(asctime)s][rank{info.rank}][%(levelname)s] - %(message)s"
-        handler.setFormatter(logging.Formatter(fmt))
-        root.addHandler(handler)
-        console = logging.StreamHandler(sys.stdout)
-        console.setFormatter(logging.Formatter(fmt))
-        root.addHandler(console)
-        root.setLevel(logging.INFO)
-    for h in root.handlers:
-        if not isinstance(h, logging.FileHandler):
-            h.setLevel(logging.INFO if info.is_main else logging.WARNING)
 
 
 class RankLogger:
@@ -144,15 +121,8 @@ class RankLogger:
     def log_sizes(self, splits: Any, step: int) -> None:
         """Rank 0 records the dataset sizes once, next to its eval metrics."""
         if self.info.is_main:
-            self.log(
-                {
-                    "data/train_size": len(splits.train),
-                    "data/eval_size": len(splits.eval),
-                    "data/val_size": len(splits.val) if splits.val is not None else 0,
-                    "data/world_size": self.info.world_size,
-                },
-                step,
-            )
+            sizes = split_sizes(splits) | {"world_size": self.info.world_size}
+            self.log({f"data/{k}": v for k, v in sizes.items()}, step)
 
     def start_epoch(self, epoch: int, total: int) -> None:
         """Rank 0's progress bar (epoch, step, samples/s, loss); other ranks stay quiet."""
@@ -213,16 +183,15 @@ class RankLogger:
             self.run.run_dir,
             {
                 **result.summary(),
-                "train_size": len(splits.train),
-                "eval_size": len(splits.eval),
-                "val_size": len(splits.val) if splits.val is not None else 0,
+                **split_sizes(splits),
                 "world_size": self.info.world_size,
                 "steps": steps,
                 "run_id": self.run.run_id,
             },
         )
         log.info(
-            "final test accuracy %.4f (%d/%d) — run dir %s",
+            "final %s accuracy %.4f (%d/%d) — run dir %s",
+            result.split,
             result.accuracy,
             result.correct,
             result.count,
@@ -230,7 +199,7 @@ class RankLogger:
         )
         log.info("summary: %s", path)
 
-    def log_eval(self, result: Any, epoch: int, step: int, split: str = "eval") -> None:
+    def log_eval(self, result: Any, epoch: int, step: int, split: str) -> None:
         """``<split>/accuracy``, ``/loss``, ``/correct`` and ``/top5`` (>= 5 classes)."""
         self.log({**result.metrics(split), "epoch": epoch}, step)
         log.info(
@@ -254,7 +223,7 @@ class RankLogger:
         if self._epoch_ranks is not None:  # one run: every rank's epoch numbers in its row
             rows = [{**row, **self._epoch_ranks[row["rank"]]} for row in rows]
         self.log_table("shards/report", rows, step)
-        log.info("\n".join(_report_lines(report, epoch)))
+        log.info("\n".join(report_lines(report, epoch)))
         if report["verdict"] != "ok":
             log.warning(
                 "SHARD MISMATCH in epoch %d: %s — a rank saw data its sampler mode does not "
@@ -298,7 +267,7 @@ class RankLogger:
         ``logger.log_checkpoints`` is ``kind`` (last, best) and the file was ``rewritten`` at
         this epoch's end. Aliases ``kind`` and ``epoch-<e>``; metadata step, epoch, metrics.
         Offline, W&B keeps a copy of the file until ``wandb sync`` uploads it."""
-        if kind != self.cfg.checkpoints or not rewritten or path is None:
+        if kind != self.cfg.log_checkpoints or not rewritten or path is None:
             return
         if not (self.info.is_main and self._history and self.wandb is not None):
             return
@@ -323,31 +292,3 @@ class RankLogger:
         if self.wandb is not None:
             self.wandb.finish(exit_code=exit_code)
             self._wandb = None
-
-
-def _report_lines(report: dict[str, Any], epoch: int) -> list[str]:
-    lines = [
-        f"epoch {epoch} shards ({report['mode']}, N={report['dataset_size']}): "
-        f"verdict {report['verdict']}"
-    ]
-    lines += [
-        f"  rank {r['rank']}: {r['samples']} samples, {r['duplicates']} padded, "
-        f"fingerprint {r['fingerprint']}{'' if r['matches'] else '  <-- MISMATCH'}"
-        for r in report["ranks"]
-    ]
-    if "coverage" in report:
-        lines.append(
-            f"  coverage {report['coverage']:.4f} ({report['covered']} unique), "
-            f"overlap {report['overlap']}, step time max/min {report['step_s_max_over_min']:.2f} "
-            f"(slowest rank {report['slowest_rank']})"
-        )
-    return lines
-
-
-def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
-    """Rank 0's final metrics, written atomically so a reader never sees half a file."""
-    path = run_dir / "summary.json"
-    tmp = path.with_name("summary.json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    tmp.replace(path)
-    return path

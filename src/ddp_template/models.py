@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ddp_template.data.datasets import DataInfo
-from ddp_template.errors import ConfigError, instantiate_clean
+from ddp_template.data.contract import DataInfo
+from ddp_template.errors import ConfigError, Guarded, instantiate_clean
 
 NORMS: dict[str, Callable[[int], list[nn.Module]]] = {
     "batch": lambda c: [nn.BatchNorm2d(c)],
@@ -269,3 +269,14 @@ def convert_syncbn(model: nn.Module, device: torch.device) -> nn.Module:
     from ddp_template.sync_batchnorm import convert_sync_batchnorm
 
     return convert_sync_batchnorm(model, device_type=device.type)
+
+
+def weights_part(module: nn.Module) -> Guarded:
+    """The model's weights as a checkpoint part; refuses another model's."""
+    return Guarded(
+        module,
+        lambda torch_says: (
+            f"it holds a different model ({torch_says}); resume with the model "
+            f"config it was written with, or resume=never."
+        ),
+    )

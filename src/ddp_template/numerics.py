@@ -14,14 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_template.config import Config
+from ddp_template.config import NumericsConfig
 from ddp_template.errors import ConfigError
 
 # cuBLAS's deterministic workspace setting; read when the rank creates its first cuBLAS handle.
 CUBLAS_WORKSPACE = ":4096:8"
 
 
-def apply(cfg: Config) -> None:
+def apply(cfg: NumericsConfig) -> None:
     """Set this process's numerics; call at the start of each rank, before its CUDA work."""
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
@@ -53,7 +53,7 @@ def to_channels_last(model: nn.Module) -> None:
     cuDNN runs its channels-last kernels without a layout change inside each convolution."""
     if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         raise ConfigError(
-            f"channels_last=true needs a model with 2-D convolutions but "
+            f"numerics.channels_last=true needs a model with 2-D convolutions but "
             f"{type(model).__name__} has none; drop channels_last."
         )
     model.to(memory_format=torch.channels_last)

@@ -36,10 +36,10 @@ from torch.utils.data import Dataset, default_collate
 from ddp_template import boundary
 from ddp_template.checkpoint import load as load_checkpoint
 from ddp_template.config import Config
-from ddp_template.data.datasets import build_splits
 from ddp_template.data.loader import build_train_sampler
 from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
 from ddp_template.data.schedule import StepSchedule
+from ddp_template.data.splits import build_splits
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
 
@@ -77,14 +77,8 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
     cfg = _config(run_dir)
     world = _world_size(run_dir, world_size)
     train = build_splits(cfg.data).train
-    schedule = StepSchedule(
-        length=SAMPLER_MODES[str(cfg.sampler.mode)].length(len(train), world),
-        batch_size=cfg.batch_size,
-        epochs=cfg.epochs,
-        max_steps_per_epoch=cfg.max_steps_per_epoch,
-        drop_last_batch=cfg.sampler.drop_last_batch,
-        accumulate=cfg.optim.accumulate,
-    )
+    length = SAMPLER_MODES[str(cfg.sampler.mode)].length(len(train), world)
+    schedule = StepSchedule.of_run(cfg, length)
     return Run(run_dir=run_dir, cfg=cfg, world_size=world, train=train, schedule=schedule)
 
 
@@ -195,7 +189,7 @@ def _print_step(run: Run, rows: list[dict[str, Any]], as_json: bool) -> None:
     print(
         f"{run.run_dir}: step {first['step']} of {run.schedule.total_steps} = epoch "
         f"{first['epoch']}, step {(first['step'] - 1) % k + 1} of {k}; {run.world_size} ranks, "
-        f"batch_size {run.cfg.batch_size} x accumulate {run.cfg.optim.accumulate}"
+        f"batch_size {run.cfg.loader.batch_size} x accumulate {run.cfg.optim.accumulate}"
     )
     for row in rows:
         print(f"rank {row['rank']}: epoch {row['epoch']}, position {row['position']}: ", end="")

@@ -8,10 +8,10 @@ The contract every ``data`` option keeps (and that this module shows end to end)
    (``data/samples``, ``data/fingerprint``, ``data/first_index``… in ``rank<r>/metrics.jsonl``
    and W&B). That is how a rank's log says *which* samples it saw — the number that exposes
    overlapping shards or a forgotten ``set_epoch`` — whatever sampler or worker count ran.
-   :class:`~ddp_template.data.datasets.IndexedTensors` does this for in-memory tensors;
-   :class:`~ddp_template.data.datasets.WithIndex` wraps any ``(x, y)`` dataset.
+   :class:`~ddp_template.data.contract.IndexedTensors` does this for in-memory tensors;
+   :class:`~ddp_template.data.contract.WithIndex` wraps any ``(x, y)`` dataset.
 2. **Splits are given, not drawn.** A data factory (the YAML's ``_target_``) returns
-   ``Splits(train, eval, info)``. The ShardSampler shards ``train`` across ranks; ``eval`` is
+   ``Splits(train, test, info)``. The ShardSampler shards ``train`` across ranks; ``test`` is
    split exactly (no padding) for evaluation. ``info = DataInfo(num_classes, in_channels,
    image_size)`` is what the model factory receives, so the model fits the data.
 3. **Bad input is a ConfigError** naming the key (``data.path``), the bad value and the fix.
@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddp_template.data.datasets import DataInfo, IndexedTensors, Splits
+from ddp_template.data.contract import DataInfo, IndexedTensors, Splits
 from ddp_template.errors import ConfigError
 
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ddp_template.config import Config, SamplerConfig
-from ddp_template.data.datasets import BatchFetch, collate
+from ddp_template.config import LoaderConfig, SamplerConfig
+from ddp_template.data.contract import BatchFetch, collate
 from ddp_template.data.eval_sampler import EvalShardSampler
 from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
 from ddp_template.distributed import DistInfo
@@ -91,7 +91,7 @@ def _worker_start_method() -> str:
     return "forkserver"
 
 
-def _loader_kwargs(cfg: Config, device: torch.device) -> dict[str, Any]:
+def _loader_kwargs(cfg: LoaderConfig, device: torch.device) -> dict[str, Any]:
     pin = cfg.pin_memory and device.type == "cuda"
     kwargs: dict[str, Any] = {
         "num_workers": cfg.num_workers,
@@ -130,21 +130,28 @@ def build_train_sampler(
 
 
 def build_train_loader(
-    dataset: Dataset, sampler: ShardSampler, cfg: Config, info: DistInfo
+    dataset: Dataset,
+    sampler: ShardSampler,
+    cfg: LoaderConfig,
+    *,
+    seed: int,
+    drop_last: bool,
+    info: DistInfo,
 ) -> DataLoader:
+    """The ``loader`` group's training loader; ``drop_last`` is ``sampler.drop_last_batch``."""
     generator = torch.Generator()
-    generator.manual_seed(worker_seed(cfg.seed, info.rank, 0))
+    generator.manual_seed(worker_seed(seed, info.rank, 0))
     return DataLoader(
         BatchFetch(dataset),
         batch_size=cfg.batch_size,
         sampler=sampler,
-        drop_last=cfg.sampler.drop_last_batch,
+        drop_last=drop_last,
         generator=generator,
         **_loader_kwargs(cfg, info.device),
     )
 
 
-def build_eval_loader(dataset: Dataset, cfg: Config, info: DistInfo) -> DataLoader:
+def build_eval_loader(dataset: Dataset, cfg: LoaderConfig, info: DistInfo) -> DataLoader:
     """Contiguous, unpadded shards: no sample is evaluated twice."""
     sampler = EvalShardSampler(dataset, num_replicas=info.world_size, rank=info.rank)
     return DataLoader(

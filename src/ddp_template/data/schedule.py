@@ -50,6 +50,19 @@ class StepSchedule:
     drop_last_batch: bool = False
     accumulate: int = 1  # A: micro-batches per optimizer step
 
+    @classmethod
+    def of_run(cls, cfg: Any, length: int) -> StepSchedule:
+        """The run's one schedule (``train.build`` and ``replay`` both read it): ``cfg`` is
+        the run's ``Config``, ``length`` its sampler's positions per rank."""
+        return cls(
+            length=length,
+            batch_size=cfg.loader.batch_size,
+            epochs=cfg.epochs,
+            max_steps_per_epoch=cfg.max_steps_per_epoch,
+            drop_last_batch=cfg.sampler.drop_last_batch,
+            accumulate=cfg.optim.accumulate,
+        )
+
     @property
     def micro_batches(self) -> int:
         """The DataLoader's length: ceil(L / B), or floor with drop_last_batch."""

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ddp_template.config import TransformsConfig
-from ddp_template.data.datasets import Splits
+from ddp_template.data.contract import Splits
 from ddp_template.data.splitmix import splitmix64
 from ddp_template.errors import ConfigError
 
@@ -107,4 +107,4 @@ def apply_transforms(splits: Splits, cfg: TransformsConfig, seed: int) -> Splits
     train = splits.train
     if train_tf is not None:
         train = Augmented(train, train_tf, seed, for_eval=mapped(train))
-    return Splits(train, mapped(splits.eval), info, mapped(splits.val))
+    return Splits(train, mapped(splits.test), info, mapped(splits.val))

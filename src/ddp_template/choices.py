@@ -1,0 +1,116 @@
+"""The closed sets of choices of the config: ``str`` enums, so a wrong value fails at
+composition with Hydra's message, and ``cfg.sampler.mode == "padded"`` reads naturally."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Choice(str, Enum):
+    """A closed set of choices; ``str(choice)`` is its plain value (what builders pass on)."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+
+class MatmulPrecision(Choice):
+    """``torch.set_float32_matmul_precision``: highest is fp32; high allows TF32 on GPUs."""
+
+    highest = "highest"
+    high = "high"
+    medium = "medium"
+
+
+class SamplerMode(Choice):
+    padded = "padded"
+    drop_last = "drop_last"
+    sequential = "sequential"
+
+
+class Permutation(Choice):
+    auto = "auto"
+    randperm = "randperm"
+    feistel = "feistel"
+
+
+class BackendName(Choice):
+    auto = "auto"
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class AmpMode(Choice):
+    off = "off"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Schedule(Choice):
+    none = "none"
+    cosine = "cosine"
+
+
+class OptimName(Choice):
+    sgd = "sgd"
+    adamw = "adamw"
+
+
+class LoggerName(Choice):
+    wandb = "wandb"
+    none = "none"
+
+
+class WandbMode(Choice):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+class WandbLayout(Choice):
+    auto = "auto"
+    per_rank = "per_rank"
+    main = "main"
+    shared = "shared"
+
+
+class SystemMetrics(Choice):
+    node = "node"
+    all = "all"
+    off = "off"
+
+
+class TransformName(Choice):
+    none = "none"
+    cifar = "cifar"
+    imagenet = "imagenet"
+
+
+class EvalSplit(Choice):
+    test = "test"
+    val = "val"
+    train = "train"
+
+
+class MonitorMode(Choice):
+    max = "max"
+    min = "min"
+
+
+class StartMethod(Choice):
+    spawn = "spawn"
+    forkserver = "forkserver"
+    fork = "fork"
+
+
+class Norm(Choice):
+    batch = "batch"
+    group = "group"
+    none = "none"
+
+
+class LogCheckpoints(Choice):
+    """Which checkpoint becomes a W&B model artifact version at each epoch end."""
+
+    none = "none"
+    last = "last"
+    best = "best"

@@ -1,0 +1,69 @@
+"""The human-readable side of the logs: each rank's console and log file, the shard report's
+lines, the split sizes, and summary.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from ddp_template.distributed import DistInfo
+
+
+def setup_console(info: DistInfo, run_dir: Path) -> None:
+    """Rank 0 talks; other ranks only warn. Each rank also logs to its file in the run dir.
+
+    Under Hydra (torchrun, single process) the file handler already exists; in-process
+    workers start without Hydra's logging, so they get the same layout here.
+    """
+    root = logging.getLogger()
+    if not any(isinstance(h, logging.FileHandler) for h in root.handlers):
+        name = "train.log" if info.is_main else f"rank{info.rank}.log"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(run_dir / name)
+        fmt = f"[%(asctime)s][rank{info.rank}][%(levelname)s] - %(message)s"
+        handler.setFormatter(logging.Formatter(fmt))
+        root.addHandler(handler)
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(logging.Formatter(fmt))
+        root.addHandler(console)
+        root.setLevel(logging.INFO)
+    for h in root.handlers:
+        if not isinstance(h, logging.FileHandler):
+            h.setLevel(logging.INFO if info.is_main else logging.WARNING)
+
+
+def report_lines(report: dict[str, Any], epoch: int) -> list[str]:
+    lines = [
+        f"epoch {epoch} shards ({report['mode']}, N={report['dataset_size']}): "
+        f"verdict {report['verdict']}"
+    ]
+    lines += [
+        f"  rank {r['rank']}: {r['samples']} samples, {r['duplicates']} padded, "
+        f"fingerprint {r['fingerprint']}{'' if r['matches'] else '  <-- MISMATCH'}"
+        for r in report["ranks"]
+    ]
+    if "coverage" in report:
+        lines.append(
+            f"  coverage {report['coverage']:.4f} ({report['covered']} unique), "
+            f"overlap {report['overlap']}, step time max/min {report['step_s_max_over_min']:.2f} "
+            f"(slowest rank {report['slowest_rank']})"
+        )
+    return lines
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
+    """Rank 0's final metrics, written atomically so a reader never sees half a file."""
+    path = run_dir / "summary.json"
+    tmp = path.with_name("summary.json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def split_sizes(splits: Any) -> dict[str, int]:
+    """The size of every split (0 for no validation split)."""
+    val = len(splits.val) if splits.val is not None else 0
+    return {"train_size": len(splits.train), "test_size": len(splits.test), "val_size": val}

@@ -1,0 +1,137 @@
+"""The ``(x, y, index)`` contract every dataset here keeps, and the batched fetch.
+
+``__getitem__(i)`` returns the input tensor, the integer label and ``i`` itself. The index
+travels with the batch to the training loop, which is how every rank can log exactly which
+samples it saw (count, fingerprint, first/last index) whatever sampler, loader or worker count
+produced the batch. A data factory (the ``_target_`` of a ``data`` YAML) returns
+:class:`Splits`: the training and test datasets plus the :class:`DataInfo` that the model
+factory receives. In-memory data also hands over a whole :class:`Batch` at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, default_collate
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """What a model factory needs to know about the data."""
+
+    num_classes: int
+    in_channels: int
+    image_size: int
+
+
+@dataclass
+class Splits:
+    train: Dataset
+    test: Dataset
+    info: DataInfo
+    val: Dataset | None = None  # carved from the training data with data.val_fraction
+
+    def split(self, name: str) -> Dataset:
+        """The split named ``test``, ``val`` or ``train`` (the latter without augmentation)."""
+        if name == "val" and self.val is not None:
+            return self.val
+        if name == "train":
+            return getattr(self.train, "for_eval", self.train)
+        if name == "test":
+            return self.test
+        raise ValueError(f"no split {name}")
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell the training data the epoch (its augmentation depends on it)."""
+        if hasattr(self.train, "set_epoch"):
+            self.train.set_epoch(epoch)
+
+
+class Batch(tuple):
+    """``(x, y, index)`` of a whole batch, fetched at once by a dataset's ``get_batch``:
+    :func:`collate` passes it through as it is."""
+
+
+def collate(samples: Any) -> Any:
+    """The loaders' collate: a :class:`Batch` as it is, a list of samples by torch's default."""
+    return samples if isinstance(samples, Batch) else default_collate(samples)
+
+
+class BatchFetch(Dataset):
+    """What the template's loaders read: ``dataset`` with torch's ``__getitems__`` hook, so a
+    dataset with ``get_batch(indices)`` (in-memory tensors) hands over a whole :class:`Batch`,
+    and any other dataset is read one ``__getitem__`` per sample as usual. The dataset itself
+    keeps torch's plain protocol: a DataLoader of your own with the default collate works."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self._batched = getattr(dataset, "get_batch", None)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.dataset[i]
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        if self._batched is None:
+            return [self.dataset[i] for i in indices]
+        return self._batched(indices)
+
+
+class IndexedTensors(Dataset):
+    """In-memory inputs and labels; item ``i`` is ``(x[i], y[i], i)``. ``get_batch`` gathers
+    a whole batch at once, with the same values as one item at a time and a default collate."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if len(x) != len(y):
+            raise ValueError(f"inputs ({len(x)}) and labels ({len(y)}) differ in length")
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:
+        return self.x[i], int(self.y[i]), i
+
+    def get_batch(self, indices: list[int]) -> Batch:
+        index = torch.as_tensor(indices, dtype=torch.int64)
+        return Batch((self.x[index], self.y[index].to(torch.int64), index))
+
+
+class IndexedSubset(Dataset):
+    """Items ``indices[j]`` of an ``(x, y, index)`` dataset, renumbered: item ``j`` is
+    ``(x, y, j)``."""
+
+    def __init__(self, base: Dataset, indices: np.ndarray) -> None:
+        self.base, self.indices = base, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, j: int) -> tuple[Any, int, int]:
+        x, y, _ = self.base[int(self.indices[j])]
+        return x, y, j
+
+    def get_batch(self, js: list[int]) -> Any:
+        if not hasattr(self.base, "get_batch"):
+            return [self[j] for j in js]
+        x, y, _ = self.base.get_batch([int(self.indices[j]) for j in js])
+        return Batch((x, y, torch.as_tensor(js, dtype=torch.int64)))
+
+
+class WithIndex(Dataset):
+    """Wraps a ``(x, y)`` dataset (torchvision's) so items carry their index."""
+
+    def __init__(self, base: Any) -> None:
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> tuple[Any, int, int]:
+        x, y = self.base[i]
+        return x, int(y), i

@@ -1,0 +1,91 @@
+"""Schemas of the research-loop groups, each with its own checks: DDP's options, the EMA switch,
+the profiler window (``compile`` is the top-level key), selection (best.pt, early stopping) and
+fine-tuning (``init_from``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddp_template.choices import MonitorMode
+from ddp_template.errors import ConfigError
+
+
+@dataclass
+class DDPConfig:
+    """Arguments of torch's DistributedDataParallel (only with more than one rank)."""
+
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = False
+    bucket_cap_mb: float = 25.0
+    broadcast_buffers: bool = True
+
+
+@dataclass
+class EmaConfig:
+    decay: float | None = None  # None: no EMA; e.g. 0.999
+    every: int = 1  # optimizer steps between EMA updates
+    warmup: int = 0  # optimizer steps during which the EMA copies the weights (no averaging)
+
+    def check(self) -> None:
+        if self.decay is not None and not 0.0 < self.decay < 1.0:
+            raise ConfigError(
+                f"ema.decay={self.decay} must be in (0, 1), e.g. 0.999, or null for no EMA."
+            )
+        if self.every < 1:
+            raise ConfigError(f"ema.every={self.every} must be >= 1 (optimizer steps); e.g. 1.")
+        if self.warmup < 0:
+            raise ConfigError(f"ema.warmup={self.warmup} must be >= 0 (optimizer steps).")
+
+
+@dataclass
+class ProfilerConfig:
+    enabled: bool = False
+    wait: int = 1  # optimizer steps skipped first
+    warmup: int = 1  # steps profiled but discarded
+    active: int = 3  # steps recorded into rank<r>/trace_step<k>.pt.trace.json
+
+
+@dataclass
+class SelectionConfig:
+    """best.pt and early stopping (``selection.build_selection``)."""
+
+    # Keep best.pt beside last.pt: the epoch whose <split>/<metric> was best (test/accuracy,
+    # test/loss, test/top5; val/* with data.val_fraction > 0), by mode. null: no best.pt.
+    monitor: str | None = None
+    mode: MonitorMode = MonitorMode.max
+    patience: int | None = None  # stop after this many epochs without a new best of monitor
+
+    def check(self) -> None:
+        if self.patience is None:
+            return
+        if self.patience < 1:
+            raise ConfigError(
+                f"selection.patience={self.patience} must be >= 1 (epochs without a new best); "
+                f"e.g. selection.patience=3, or null."
+            )
+        if self.monitor is None:
+            raise ConfigError(
+                f"selection.patience={self.patience} needs a metric to watch; set "
+                f"selection.monitor=test/accuracy (and selection.mode=max)."
+            )
+
+
+@dataclass
+class FinetuneConfig:
+    """Start a fresh run from a checkpoint's weights (any world size; resume wins once this run
+    has a checkpoint of its own). Tensors whose shape differs (a new head) start fresh."""
+
+    init_from: str | None = None
+    ema: bool = False  # take the checkpoint's EMA weights instead
+    strict: bool = True  # refuse missing/unexpected keys
+
+    def check(self) -> None:
+        for key, default in (("ema", False), ("strict", True)):
+            value = getattr(self, key)
+            if self.init_from is None and value != default:
+                raise ConfigError(
+                    f"finetune.{key}={str(value).lower()} only applies to finetune.init_from, "
+                    f"which is not set; set finetune.init_from=<checkpoint> or drop "
+                    f"finetune.{key}."
+                )
