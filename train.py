@@ -81,7 +81,8 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     if final_loader is None:
         final_loader = build_eval_loader(splits.split(str(cfg.eval_split)), cfg, info)
     schedule = StepSchedule(  # optimizer steps: optim.accumulate micro-batches each
-        length=sampler.num_samples,
+        length=sampler.epoch_length,
+        rank_lengths=sampler.rank_lengths,
         batch_size=cfg.batch_size,
         epochs=cfg.epochs,
         max_steps_per_epoch=cfg.max_steps_per_epoch,

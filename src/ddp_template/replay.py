@@ -77,8 +77,10 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
     cfg = _config(run_dir)
     world = _world_size(run_dir, world_size)
     train = build_splits(cfg.data).train
+    rule = SAMPLER_MODES[str(cfg.sampler.mode)]
     schedule = StepSchedule(
-        length=SAMPLER_MODES[str(cfg.sampler.mode)].length(len(train), world),
+        length=rule.length(len(train), world),
+        rank_lengths=tuple(rule.rank_length(len(train), r, world) for r in range(world)),
         batch_size=cfg.batch_size,
         epochs=cfg.epochs,
         max_steps_per_epoch=cfg.max_steps_per_epoch,
@@ -152,7 +154,8 @@ def step_rows(run: Run, step: int) -> list[dict[str, Any]]:
     sampler.set_epoch(batch.epoch)
     rows = []
     for rank in range(run.world_size):
-        indices = sampler.index_at(batch.positions, rank)
+        positions = batch.positions[: run.schedule.held(rank, batch.start, batch.stop)]
+        indices = sampler.index_at(positions, rank)  # `exact`: a shorter list may end here
         row = {"step": step, "rank": rank, "epoch": batch.epoch, "position": batch.start}
         rows.append(row | {"indices": indices.tolist()})
     return rows
