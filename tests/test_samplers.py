@@ -181,7 +181,9 @@ def test_union_of_ranks_is_what_the_mode_defines(a: dict) -> None:
     ranks = [list(s) for s in samplers]
     lengths = mode_lengths(n, w, mode)
     assert [len(r) for r in ranks] == lengths
-    assert all(s.num_samples == length == len(s) for s, length in zip(samplers, lengths))
+    assert all(
+        s.num_samples == length == len(s) for s, length in zip(samplers, lengths, strict=True)
+    )
     assert all(s.epoch_length == max(lengths) for s in samplers)
     g = global_list(ranks, mode)
     assert len(g) == samplers[0].total_size == sum(lengths)
