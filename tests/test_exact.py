@@ -185,6 +185,20 @@ def test_verdict_checks_the_exact_layout() -> None:
     assert bad["verdict"].startswith("MISMATCH: rank 1 saw indices that differ")
 
 
+def test_replay_reports_the_empty_micro_batch(compose_cfg, tmp_path: Path, capsys) -> None:
+    from test_replay_oracle import write_run
+
+    from ddp_template.replay import load_run, main, step_rows
+
+    overrides = ["data=synthetic", "data.size=101", "data.eval_size=4", "data.image_size=4"]
+    cfg = compose_cfg(*overrides, "sampler=exact", "batch_size=10", "epochs=1")
+    run_dir = write_run(tmp_path / "run", cfg)
+    rows = step_rows(load_run(run_dir, world_size=2), 6)
+    assert [(r["position"], len(r["indices"])) for r in rows] == [(50, 1), (50, 0)]
+    assert main([str(run_dir), "--step", "6", "--world-size", "2"]) == 0
+    assert "rank 1: epoch 0, position 50: none (sampler=exact" in capsys.readouterr().out
+
+
 def test_picture_and_headline_show_both_lengths() -> None:
     layout = layout_from_sampler(ShardSampler(range(11), 2, 0, shuffle=False, mode="exact"))
     assert [r.tolist() for r in layout.ranks] == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9]]

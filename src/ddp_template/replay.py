@@ -202,7 +202,7 @@ def _print_step(run: Run, rows: list[dict[str, Any]], as_json: bool) -> None:
     )
     for row in rows:
         print(f"rank {row['rank']}: epoch {row['epoch']}, position {row['position']}: ", end="")
-        print(" ".join(map(str, row["indices"])))
+        print(" ".join(map(str, row["indices"])) or "none (sampler=exact: its list has ended)")
 
 
 def _print_hits(index: int, hits: list[dict[str, int]], as_json: bool) -> None:
