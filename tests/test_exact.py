@@ -137,6 +137,16 @@ def test_empty_micro_batch_gives_zero_gradients_not_nan() -> None:
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
+def test_plain_batchnorm_leaves_running_stats_untouched_on_an_empty_batch() -> None:
+    """Without SyncBN an empty rank's running statistics stay as they were (torch skips the
+    update); with it every rank takes the global batch's (tests/test_syncbn.py, empty_0_8)."""
+    bn = torch.nn.BatchNorm2d(3).train()
+    bn(torch.randn(4, 3, 2, 2) + 1)
+    before = {k: v.clone() for k, v in bn.state_dict().items() if k.startswith("running")}
+    assert bn(torch.empty(0, 3, 2, 2)).shape == (0, 3, 2, 2)
+    assert all(torch.equal(bn.state_dict()[k], v) for k, v in before.items())
+
+
 # ------------------------------------------------------------------------- sampler and verdict
 def test_state_holds_the_common_position_past_a_shorter_list() -> None:
     """The step boundary after the last step is 51 on every rank; rank 1's list has 50."""
