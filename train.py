@@ -90,7 +90,9 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         drop_last=cfg.sampler.drop_last_batch,
         info=info,
     )
-    schedule = StepSchedule.of_run(cfg, sampler.num_samples)  # optim.accumulate micro-batches
+    schedule = StepSchedule.of_run(  # optimizer steps: optim.accumulate micro-batches each
+        cfg, length=sampler.epoch_length, rank_lengths=sampler.rank_lengths
+    )
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, splits.info)
     check_batch_statistics(model, splits.info, schedule.last_micro_batch)

@@ -51,6 +51,7 @@ SYNC_CASES: dict[str, tuple[tuple[int, ...], str]] = {
     "even_mean": ((4, 4), "mean"),
     "uneven_5_3": ((5, 3), "sum"),
     "uneven_1_7": ((1, 7), "sum"),
+    "empty_0_8": ((0, 8), "sum"),  # sampler=exact: a rank whose list has ended counts nothing
 }
 
 

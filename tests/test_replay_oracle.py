@@ -34,13 +34,13 @@ def write_run(folder: Path, cfg) -> Path:
     return folder
 
 
-def engine_epoch(loader, schedule, state: TrainState, steps: list, stop_after) -> bool:
+def engine_epoch(loader, schedule, state: TrainState, steps: list, stop_after, rank) -> bool:
     """One epoch of ``engine.train_one_epoch``'s loop from ``state.position``; False: stopped."""
     step: list[int] = []
-    for (_, _, idx), _, last in micro_batches(loader, schedule, state.position):
+    for (_, _, idx), _, last in micro_batches(loader, schedule, state.position, rank):
         step += idx.tolist()
-        state.position += len(idx)
         if last:
+            state.position = schedule.next_boundary(state.position)
             steps.append(step)
             step = []
             if len(steps) == stop_after:
@@ -65,7 +65,7 @@ def loader_steps(run_, stop_after: int | None = None) -> list[list[list[int]]]:
         steps, state = [], TrainState()
         while state.epoch < run_.cfg.epochs:
             sampler.set_epoch(state.epoch)
-            if engine_epoch(loader, run_.schedule, state, steps, stop_after):
+            if engine_epoch(loader, run_.schedule, state, steps, stop_after, rank):
                 state.epoch, state.position = state.epoch + 1, 0
                 continue
             saved, stop_after = sampler.state_dict(state.position), None
@@ -87,6 +87,9 @@ ORACLE_CASES = [  # mode, permutation, sampler.drop_last_batch, max_steps_per_ep
     ("padded", "randperm", False, None, 2),  # 3 micro-batches per epoch: steps of 2 and 1
     ("sequential", "auto", True, 1, 2),
     ("drop_last", "feistel", False, None, 3),
+    ("exact", "randperm", False, None, 1),  # 23 on 3 ranks: lists of 8, 8 and 7
+    ("exact", "feistel", True, None, 2),
+    ("exact", "auto", False, 2, 3),
 ]
 
 

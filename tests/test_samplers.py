@@ -46,10 +46,31 @@ def global_list(ranks: list[list[int]], mode: str) -> list[int]:
     if mode == "sequential":
         return [i for shard in ranks for i in shard]
     w = len(ranks)
-    return [ranks[j % w][j // w] for j in range(w * len(ranks[0]))]
+    return [ranks[j % w][j // w] for j in range(sum(map(len, ranks)))]
+
+
+def mode_lengths(n: int, w: int, mode: str) -> list[int]:
+    """Each rank's list length: L = floor or ceil(N/W); `exact` only the real slots r + W*j."""
+    if mode == "exact":
+        return [math.ceil((n - r) / w) for r in range(w)]
+    return [n // w if mode == "drop_last" else math.ceil(n / w)] * w
 
 
 # --------------------------------------------------------------------------- torch oracle
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 11, 16, 33, 100, 101])
+@pytest.mark.parametrize("w", [1, 2, 3, 4, 8, 13])
+def test_exact_is_torch_padded_without_its_padding(n: int, w: int) -> None:
+    """`exact` keeps torch's slot layout (slot j -> rank j mod W) and stops at slot N-1."""
+    for seed, epoch, shuffle in [(0, 0, True), (7, 3, True), (123, 1, False)]:
+        for r in range(w):
+            torch_sampler = DistributedSampler(Sized(n), w, r, shuffle=shuffle, seed=seed)
+            torch_sampler.set_epoch(epoch)
+            ours = ShardSampler(Sized(n), w, r, shuffle, seed, mode="exact")
+            ours.set_epoch(epoch)
+            assert list(ours) == list(torch_sampler)[: math.ceil((n - r) / w)]
+            assert ours.padding_in_prefix(len(ours)) == 0
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 11, 16, 33, 100])
 @pytest.mark.parametrize("w", [1, 2, 3, 4, 8, 13])
 def test_matches_torch_distributed_sampler(n: int, w: int) -> None:
@@ -92,6 +113,8 @@ LAYOUT_TABLE = {
     ("drop_last", 10, 4): [[0, 4], [1, 5], [2, 6], [3, 7]],
     ("sequential", 11, 2): [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 0]],
     ("sequential", 10, 4): [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 0, 1]],
+    ("exact", 11, 2): [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9]],
+    ("exact", 10, 4): [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]],
 }
 
 
@@ -125,7 +148,7 @@ sampler_args = st.fixed_dictionaries(
         "w": st.integers(1, 9),
         "seed": st.integers(-(2**40), 2**40),
         "epoch": st.integers(0, 1000),
-        "mode": st.sampled_from(["padded", "drop_last", "sequential"]),
+        "mode": st.sampled_from(list(SAMPLER_MODES)),
         "permutation": st.sampled_from(["randperm", "feistel"]),
         "shuffle": st.booleans(),
     }
@@ -156,11 +179,16 @@ def test_union_of_ranks_is_what_the_mode_defines(a: dict) -> None:
     n, w, mode = a["n"], a["w"], a["mode"]
     samplers = build_all(a)
     ranks = [list(s) for s in samplers]
-    length = n // w if mode == "drop_last" else math.ceil(n / w)
-    assert [len(r) for r in ranks] == [length] * w
-    assert all(s.num_samples == length == len(s) for s in samplers)
+    lengths = mode_lengths(n, w, mode)
+    assert [len(r) for r in ranks] == lengths
+    assert all(
+        s.num_samples == length == len(s) for s, length in zip(samplers, lengths, strict=True)
+    )
+    assert all(s.epoch_length == max(lengths) for s in samplers)
     g = global_list(ranks, mode)
-    assert len(g) == samplers[0].total_size == length * w
+    assert len(g) == samplers[0].total_size == sum(lengths)
+    if mode == "exact":  # every index exactly once, the ranks' lengths differing by at most one
+        assert sorted(g) == list(range(n)) and max(lengths) - min(lengths) <= 1
     if mode == "drop_last":
         assert len(set(g)) == len(g) and set(g) <= set(range(n))
         return

@@ -25,6 +25,7 @@ class SamplerMode(Choice):
     padded = "padded"
     drop_last = "drop_last"
     sequential = "sequential"
+    exact = "exact"
 
 
 class Permutation(Choice):

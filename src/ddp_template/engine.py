@@ -3,7 +3,10 @@
 An optimizer step takes ``optim.accumulate`` micro-batches (the step arithmetic is
 ``data.schedule.StepSchedule``'s): each micro-batch's loss is weighted by its share of the step's
 samples, so the update is the one a single batch of them all would give, and DDP all-reduces
-the gradients once per step (``no_sync`` on the others). The loop keeps the host and the device
+the gradients once per step (``no_sync`` on the others). Where ranks hold lists of different
+lengths (``sampler=exact``) a rank past the end of its list still runs every micro-batch, an
+empty one included, so every rank joins every all-reduce; the weights make the update the mean
+over the samples the step really had. The loop keeps the host and the device
 apart: the loss is accumulated as a tensor and read
 (``.item()``) only at log intervals and at the end of the epoch, so no step waits for the GPU
 just to print. Every batch carries its dataset indices, which feed the rank's IndexTally.
@@ -34,7 +37,7 @@ class TrainState:
 
     epoch: int = 0
     step: int = 0  # optimizer steps since the start of the run
-    position: int = 0  # this rank's samples consumed in the current epoch
+    position: int = 0  # positions of the current epoch stepped through (alike on every rank)
 
 
 @dataclass(kw_only=True)
@@ -108,7 +111,12 @@ def _forward_backward(
     """One micro-batch; its gradients are all-reduced only with ``sync`` (DDP)."""
     with _no_sync(tr, sync):  # the forward and the backward both inside no_sync
         with autocast(tr.amp_mode, tr.info.device):
-            loss = F.cross_entropy(tr.model(x), y, label_smoothing=tr.label_smoothing)
+            # An empty micro-batch's mean is NaN; its sum is 0, so are its gradients, and its
+            # backward still runs DDP's all-reduce: the rank contributes zero and nobody hangs.
+            reduction = "mean" if len(y) else "sum"
+            loss = F.cross_entropy(
+                tr.model(x), y, label_smoothing=tr.label_smoothing, reduction=reduction
+            )
         tr.scaler.scale(loss if weight == 1.0 else loss * weight).backward()
     return loss.detach()
 
@@ -132,17 +140,32 @@ def _step(tr: Trainer, x: torch.Tensor, y: torch.Tensor, want_norm: bool) -> Ste
     return StepOut(loss, _optimizer_step(tr, want_norm))
 
 
-def micro_batches(loader: Any, schedule: StepSchedule, position: int) -> Iterator[tuple]:
+def micro_batches(
+    loader: Any, schedule: StepSchedule, position: int, rank: int = 0
+) -> Iterator[tuple]:
     """The epoch's micro-batches from ``position`` (a step boundary), as ``(batch, weight,
-    last)``: ``weight`` is the batch's share of its optimizer step's samples, ``last`` ends the
-    step. Stops after the epoch's last (possibly capped) step."""
-    it = iter(loader)
+    last)``: ``weight`` is the batch's share of its optimizer step's samples (``schedule.weight``),
+    ``last`` ends the step. Stops after the epoch's last (possibly capped) step. Where
+    ``rank``'s list has ended (``sampler=exact``) the batch is empty, with weight 0."""
+    it, previous = iter(loader), None
+    size = schedule.batch_size
     for k in range(schedule.steps_done(position), schedule.steps_per_epoch):
         start, stop = schedule.span(k)
-        n = -(-(stop - start) // schedule.batch_size)
+        n = -(-(stop - start) // size)
         for j in range(n):
-            batch = next(it)
-            yield batch, len(batch[2]) / (stop - start), j == n - 1
+            lo = start + j * size
+            if schedule.held(rank, lo, min(lo + size, stop)):
+                batch = previous = next(it)
+            else:
+                batch = _empty_batch(loader, previous)
+            yield batch, schedule.weight(len(batch[2]), k), j == n - 1
+
+
+def _empty_batch(loader: Any, like: Any) -> tuple:
+    """A batch of no samples shaped like ``like`` (else like the dataset's first sample)."""
+    if like is None:
+        like = loader.collate_fn([loader.dataset[0]])
+    return tuple(t[:0] for t in like)
 
 
 def steps_this_epoch(tr: Trainer, state: TrainState) -> int:
@@ -164,7 +187,8 @@ def train_one_epoch(
     loss_acc = torch.zeros((), device=tr.info.device)  # sum of loss x batch size
     interval_t, interval_n, interval_start = time.perf_counter(), 0, loss_acc.clone()
     start = waited = time.perf_counter()
-    for (x, y, idx), weight, last in micro_batches(tr.loader, tr.schedule, state.position):
+    batches = micro_batches(tr.loader, tr.schedule, state.position, tr.info.rank)
+    for (x, y, idx), weight, last in batches:
         stats.data_wait_s += time.perf_counter() - waited
         x = x.to(tr.info.device, non_blocking=True)
         y = y.to(tr.info.device, non_blocking=True)
@@ -172,12 +196,12 @@ def train_one_epoch(
         stats.tally.add(idx.numpy())
         loss_acc += loss * len(idx)
         interval_n += len(idx)
-        state.position += len(idx)
         if not last:
             waited = time.perf_counter()
             continue
         want_norm = (state.step + 1) % tr.log_every == 0
         norm = _optimizer_step(tr, want_norm)
+        state.position = tr.schedule.next_boundary(state.position)  # the same on every rank
         state.step += 1
         stats.steps += 1
         if want_norm:

@@ -77,8 +77,12 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
     cfg = _config(run_dir)
     world = _world_size(run_dir, world_size)
     train = build_splits(cfg.data).train
-    length = SAMPLER_MODES[str(cfg.sampler.mode)].length(len(train), world)
-    schedule = StepSchedule.of_run(cfg, length)
+    rule = SAMPLER_MODES[str(cfg.sampler.mode)]
+    schedule = StepSchedule.of_run(
+        cfg,
+        length=rule.length(len(train), world),
+        rank_lengths=tuple(rule.rank_length(len(train), r, world) for r in range(world)),
+    )
     return Run(run_dir=run_dir, cfg=cfg, world_size=world, train=train, schedule=schedule)
 
 
@@ -146,7 +150,8 @@ def step_rows(run: Run, step: int) -> list[dict[str, Any]]:
     sampler.set_epoch(batch.epoch)
     rows = []
     for rank in range(run.world_size):
-        indices = sampler.index_at(batch.positions, rank)
+        positions = batch.positions[: run.schedule.held(rank, batch.start, batch.stop)]
+        indices = sampler.index_at(positions, rank)  # `exact`: a shorter list may end here
         row = {"step": step, "rank": rank, "epoch": batch.epoch, "position": batch.start}
         rows.append(row | {"indices": indices.tolist()})
     return rows
@@ -193,7 +198,7 @@ def _print_step(run: Run, rows: list[dict[str, Any]], as_json: bool) -> None:
     )
     for row in rows:
         print(f"rank {row['rank']}: epoch {row['epoch']}, position {row['position']}: ", end="")
-        print(" ".join(map(str, row["indices"])))
+        print(" ".join(map(str, row["indices"])) or "none (sampler=exact: its list has ended)")
 
 
 def _print_hits(index: int, hits: list[dict[str, int]], as_json: bool) -> None:

@@ -68,10 +68,11 @@ def _dropped_text(dropped: np.ndarray, limit: int = 12) -> str:
 
 def _headline(layout: ShardLayout, title: str | None) -> str:
     """Title plus the numbers a reader checks first: slots per rank, padding, dropped."""
-    per_rank = max((idx.size for idx in layout.ranks), default=0)
+    sizes = sorted({idx.size for idx in layout.ranks}, reverse=True) or [0]
+    per_rank = " or ".join(f"{size:,}" for size in sizes)  # `exact`: ceil or floor(N/W)
     pads = sum(int(p.sum()) for p in layout.padding)
     stats = (
-        f"N={layout.num_samples:,}, W={layout.world_size}: per-rank length {per_rank:,}, "
+        f"N={layout.num_samples:,}, W={layout.world_size}: per-rank length {per_rank}, "
         f"{pads:,} padding, {layout.dropped().size:,} dropped"
     )
     return f"{title or layout.mode}  ·  {stats}"

@@ -21,9 +21,9 @@ TORCHDATA_KEYS = {"yielded", "epoch"}
 def state_of(sampler: Any, position: int) -> dict[str, Any]:
     """The state of ``sampler`` with ``position`` indices of its epoch's list consumed."""
     position = as_int("position", position)
-    if not 0 <= position <= sampler.num_samples:
+    if not 0 <= position <= sampler.epoch_length:
         raise ValueError(
-            f"position={position} is outside this rank's epoch [0, {sampler.num_samples}]; "
+            f"position={position} is outside this rank's epoch [0, {sampler.epoch_length}]; "
             "pass the number of indices consumed this epoch."
         )
     return {
@@ -63,9 +63,9 @@ def resume_point(sampler: Any, state: dict[str, Any]) -> tuple[int | None, int]:
 
 
 def _position(sampler: Any, position: int, key: str) -> int:
-    if not 0 <= position <= sampler.num_samples:
+    if not 0 <= position <= sampler.epoch_length:
         raise ValueError(
-            f"Sampler state_dict key {key!r} is {position}, outside [0, {sampler.num_samples}]; "
+            f"Sampler state_dict key {key!r} is {position}, outside [0, {sampler.epoch_length}]; "
             "the state does not belong to this sampler."
         )
     return position

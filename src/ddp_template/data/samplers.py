@@ -2,7 +2,8 @@
 
 `ShardSampler` is a `torch.utils.data.distributed.DistributedSampler` (a subclass, same
 arguments) giving torch's exact lists in its `padded` and `drop_last` modes, plus libtorch's
-`sequential` layout, a resumable position (torchdata's stateful protocol too) and a keyed
+`sequential` layout, the `exact` deal (every sample once, no padding, no drop), a resumable
+position (torchdata's stateful protocol too) and a keyed
 Feistel permutation that shuffles huge datasets without materialising `randperm(N)`.
 `SAMPLER_MODES` is the one table of the modes; docs/ARCHITECTURE.md states the semantics.
 """
@@ -34,10 +35,22 @@ class ModeRule:
     shuffles: bool  # may shuffle (the permutation applies to the slots)
     drops_tail: bool  # floor(N/W) per rank, the tail dropped; else ceil(N/W), the tail padded
     contiguous: bool  # rank r holds the block r*L..(r+1)*L-1; else the slots r, r+W, r+2W, ...
+    # Rank r holds only its real slots, ceil or floor(N/W) of them: nothing padded or dropped.
+    uneven: bool = False
 
     def length(self, n: int, world: int) -> int:
-        """Positions per rank (L)."""
+        """Positions per rank (L): the longest rank's list, the positions every rank steps
+        through."""
         return n // world if self.drops_tail else _ceil_div(n, world)
+
+    def rank_length(self, n: int, rank: int, world: int) -> int:
+        """Positions of ``rank``'s own list: L, or only its real ones in an uneven mode."""
+        length = self.length(n, world)
+        return self.real_positions(n, rank, length, world) if self.uneven else length
+
+    def total(self, n: int, world: int) -> int:
+        """Slots of the epoch over all ranks: N in an uneven mode, else W x L."""
+        return n if self.uneven else self.length(n, world) * world
 
     def slots(self, positions: np.ndarray, rank: int, length: int, world: int) -> np.ndarray:
         """Global slot of each of ``rank``'s positions."""
@@ -73,6 +86,13 @@ SAMPLER_MODES = {
         drops_tail=False,
         contiguous=True,
     ),
+    "exact": ModeRule(
+        summary="shuffled, every sample exactly once: ranks hold ceil or floor(N/W)",
+        shuffles=True,
+        drops_tail=False,
+        contiguous=False,
+        uneven=True,
+    ),
 }
 _FIRST_BLOCK = 1024  # small first block: the first index arrives in well under a millisecond
 _MAX_BLOCK = 16384  # later blocks: amortise numpy overhead, yet keep temporaries ~1 MiB
@@ -101,8 +121,9 @@ def _resolve_mode(mode: Any, drop_last: bool) -> str:
         choices = ", ".join(SAMPLER_MODES)
         raise ValueError(f"Unknown sampler mode {mode!r}; choose one of {choices}.")
     if drop_last and not SAMPLER_MODES[mode].drops_tail:
+        keeps = "keeps every sample" if SAMPLER_MODES[mode].uneven else "pads the tail"
         raise ValueError(
-            f"drop_last=True contradicts mode={mode!r}, which pads the tail; pass "
+            f"drop_last=True contradicts mode={mode!r}, which {keeps}; pass "
             f"mode='drop_last' (or no mode) with drop_last=True, or drop_last=False."
         )
     return mode
@@ -113,9 +134,12 @@ class ShardSampler(DistributedSampler[int]):
 
     The rank's epoch list is defined through a global list of `total_size` slots: slot j holds
     dataset index perm(j mod N). `padded`/`drop_last` give rank r the slots r, r+W, r+2W, ...
-    (exactly torch's layout); `sequential` gives it the block r*L ... (r+1)*L-1 unshuffled.
-    Slots j >= N are padding (repeats). Everything is computed per position, so iteration,
-    resumption and the padding count never need the whole list.
+    (exactly torch's layout); `sequential` gives it the block r*L ... (r+1)*L-1 unshuffled;
+    `exact` deals the N slots as `padded` does but stops at slot N-1, so `num_samples` (this
+    rank's own length) is ceil or floor(N/W) and `epoch_length` (the longest list, the positions
+    every rank steps through) may exceed it. Slots j >= N are padding (repeats). Everything is
+    computed per position, so iteration, resumption and the padding count never need the whole
+    list.
 
     The arguments are DistributedSampler's, in its order, then keyword-only `mode` and
     `permutation`. Without `mode`, `drop_last` picks `drop_last` or `padded` as torch does; a
@@ -156,8 +180,9 @@ class ShardSampler(DistributedSampler[int]):
             big = self.dataset_size >= AUTO_FEISTEL_THRESHOLD
             permutation = "feistel" if big else "randperm"
         self.permutation = str(permutation)
-        self.num_samples = rule.length(self.dataset_size, num_replicas)
-        self.total_size = self.num_samples * num_replicas
+        self.epoch_length = rule.length(self.dataset_size, num_replicas)
+        self.num_samples = self.length_of(rank)
+        self.total_size = rule.total(self.dataset_size, num_replicas)
         self.next_yielded: int | None = None  # a pending resume offset, for the next __iter__
         self.yielded = 0
         self._iterator_token: object | None = None
@@ -173,7 +198,7 @@ class ShardSampler(DistributedSampler[int]):
 
     def __len__(self) -> int:
         """Number of indices the next __iter__ yields (less than num_samples after a resume)."""
-        return self.num_samples - (self.next_yielded or 0)
+        return max(0, self.num_samples - (self.next_yielded or 0))
 
     @property
     def yielded(self) -> int:
@@ -187,7 +212,7 @@ class ShardSampler(DistributedSampler[int]):
         self._block_end = as_int("yielded", value)
 
     def __iter__(self) -> Iterator[int]:
-        start, self.next_yielded = self.next_yielded or 0, None
+        start, self.next_yielded = min(self.next_yielded or 0, self.num_samples), None
         self.yielded = start
         token = self._iterator_token = object()  # only the newest iterator keeps the count
         # Snapshot the epoch's permutation now, so a set_epoch during iteration cannot mix epochs.
@@ -219,6 +244,15 @@ class ShardSampler(DistributedSampler[int]):
             self._perm_cache = (self.epoch, perm)
         return self._perm_cache[1]
 
+    def length_of(self, rank: int) -> int:
+        """Positions of ``rank``'s list this epoch (``num_samples`` for this rank)."""
+        return self.rule.rank_length(self.dataset_size, rank, self.num_replicas)
+
+    @property
+    def rank_lengths(self) -> tuple[int, ...]:
+        """Every rank's list length, in rank order: equal but in an uneven mode."""
+        return tuple(self.length_of(r) for r in range(self.num_replicas))
+
     def _rank(self, rank: int | None) -> int:
         if rank is None:
             return self.rank
@@ -228,10 +262,11 @@ class ShardSampler(DistributedSampler[int]):
         return rank
 
     def _slots(self, positions: np.ndarray, rank: int) -> np.ndarray:
-        """Global slot of each of this rank's positions (validated to lie in the epoch)."""
-        if positions.size and (positions.min() < 0 or positions.max() >= self.num_samples):
-            raise IndexError(f"Positions must lie in [0, {self.num_samples}) for this sampler.")
-        return self.rule.slots(positions, rank, self.num_samples, self.num_replicas)
+        """Global slot of each of ``rank``'s positions (validated to lie in its list)."""
+        length = self.length_of(rank)
+        if positions.size and (positions.min() < 0 or positions.max() >= length):
+            raise IndexError(f"Positions must lie in [0, {length}) for rank {rank}'s list.")
+        return self.rule.slots(positions, rank, self.epoch_length, self.num_replicas)
 
     def _lookup(self, slots: np.ndarray, perm: Any) -> np.ndarray:
         """Dataset index held by each global slot: perm(slot mod N)."""
@@ -259,11 +294,12 @@ class ShardSampler(DistributedSampler[int]):
         else:
             first = int(perm.inverse(index))
         slots = np.arange(first, self.total_size, self.dataset_size, dtype=np.int64)
-        return self.rule.owners(slots, self.num_samples, self.num_replicas)
+        return self.rule.owners(slots, self.epoch_length, self.num_replicas)
 
     def rank_indices(self, rank: int | None = None) -> np.ndarray:
         """A rank's whole current-epoch list; materialises it, so meant for tests and reports."""
-        return self.index_at(np.arange(self.num_samples, dtype=np.int64), rank)
+        rank = self._rank(rank)
+        return self.index_at(np.arange(self.length_of(rank), dtype=np.int64), rank)
 
     def is_padding(self, positions: Any, rank: int | None = None) -> np.ndarray:
         """True where a position holds a padding slot (a repeat of an earlier index)."""
@@ -273,14 +309,15 @@ class ShardSampler(DistributedSampler[int]):
     def padding_in_prefix(self, n: int, rank: int | None = None) -> int:
         """How many of a rank's first n positions are padding; O(1), for `data/duplicates`."""
         rank = self._rank(rank)
-        n = max(0, min(as_int("n", n), self.num_samples))
+        n = max(0, min(as_int("n", n), self.length_of(rank)))
         rule, size = self.rule, self.dataset_size
-        real = rule.real_positions(size, rank, self.num_samples, self.num_replicas)
+        real = rule.real_positions(size, rank, self.epoch_length, self.num_replicas)
         return max(0, n - real)
 
     # ----------------------------------------------------------------- resumption
     def state_dict(self, position: int | None = None) -> dict[str, Any]:
-        """Where to resume: `position` = indices of this epoch's list consumed so far.
+        """Where to resume: `position` = indices of this epoch's list consumed so far (in
+        `exact`, positions stepped through: a shorter rank has read min(position, num_samples)).
 
         Without `position`, what this sampler has yielded: right under torchdata's
         StatefulDataLoader, which asks at the moment matching the batch it hands out. A plain

@@ -8,6 +8,14 @@ step of the micro-batches left), and ``max_steps_per_epoch`` caps the steps. Ste
 as the logs number them: the run's first optimizer step is step 1, and step S is step
 ``(S - 1) mod K`` of epoch ``(S - 1) div K`` for K steps per epoch. A resumed run continues at
 the exact position it stopped at, so a resume never changes which batch belongs to which step.
+
+Ranks may hold lists of different lengths (``sampler=exact``: ceil or floor(N/W)). Positions
+then count in the longest list, which every rank steps through: a shorter rank's micro-batch
+past the end of its list holds fewer samples or none, yet the rank runs it (DDP all-reduces
+every rank's gradients at each step), and each micro-batch's loss weight is its share of the
+samples the step really had on all ranks, so the update is their mean. With
+``sampler.drop_last_batch`` only micro-batches full on every rank are kept: the epoch's last
+incomplete global batch is dropped, as one process with W times the batch would drop it.
 """
 
 from __future__ import annotations
@@ -43,19 +51,27 @@ class Hit(NamedTuple):
 
 @dataclass(frozen=True, kw_only=True)
 class StepSchedule:
-    length: int  # L: positions per rank per epoch (ShardSampler.num_samples)
+    length: int  # L: positions per rank per epoch (the longest list: ShardSampler.epoch_length)
     batch_size: int
     epochs: int
     max_steps_per_epoch: int | None = None
     drop_last_batch: bool = False
     accumulate: int = 1  # A: micro-batches per optimizer step
+    # Every rank's list length (ShardSampler.rank_lengths); () counts one rank of `length`.
+    rank_lengths: tuple[int, ...] = ()
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return self.rank_lengths or (self.length,)
 
     @classmethod
-    def of_run(cls, cfg: Any, length: int) -> StepSchedule:
+    def of_run(cls, cfg: Any, *, length: int, rank_lengths: tuple[int, ...]) -> StepSchedule:
         """The run's one schedule (``train.build`` and ``replay`` both read it): ``cfg`` is
-        the run's ``Config``, ``length`` its sampler's positions per rank."""
+        the run's ``Config``, ``length`` its sampler's positions per rank (the longest list),
+        ``rank_lengths`` each rank's own where they differ (``sampler=exact``)."""
         return cls(
             length=length,
+            rank_lengths=rank_lengths,
             batch_size=cfg.loader.batch_size,
             epochs=cfg.epochs,
             max_steps_per_epoch=cfg.max_steps_per_epoch,
@@ -65,9 +81,11 @@ class StepSchedule:
 
     @property
     def micro_batches(self) -> int:
-        """The DataLoader's length: ceil(L / B), or floor with drop_last_batch."""
-        full, rest = divmod(self.length, self.batch_size)
-        return full + (1 if rest and not self.drop_last_batch else 0)
+        """The DataLoader's length: ceil(L / B), or floor (of the shortest list) with
+        drop_last_batch."""
+        if self.drop_last_batch:
+            return min(self.lengths) // self.batch_size
+        return -(-self.length // self.batch_size)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -94,6 +112,23 @@ class StepSchedule:
         start = k * self.step_size
         return start, min(start + self.step_size, readable)
 
+    def next_boundary(self, position: int) -> int:
+        """Where the step that starts at ``position`` (a step boundary) ends."""
+        return self.span(self.steps_done(position))[1]
+
+    def held(self, rank: int, start: int, stop: int) -> int:
+        """How many of positions [start, stop) ``rank``'s own list holds."""
+        length = self.lengths[rank] if self.rank_lengths else self.length
+        return max(0, min(stop, length) - start)
+
+    def weight(self, samples: int, k: int) -> float:
+        """The loss weight of a micro-batch of ``samples`` in step ``k`` (0-based): its share of
+        the step's samples on all ranks, times the ranks DDP averages over, so the averaged
+        gradient is the mean over the samples the step really had (no communication)."""
+        start, stop = self.span(k)
+        total = sum(max(0, min(stop, length) - start) for length in self.lengths)
+        return samples * len(self.lengths) / total
+
     @property
     def total_steps(self) -> int:
         return self.epochs * self.steps_per_epoch
@@ -105,11 +140,13 @@ class StepSchedule:
 
     @property
     def last_micro_batch(self) -> int:
-        """Samples in each rank's last micro-batch of an epoch (0 without training)."""
+        """Samples in each rank's last micro-batch of an epoch, the fewest where ranks differ
+        (an empty one aside; 0 without training)."""
         if self.total_steps == 0:
             return 0
         start, stop = self.span(self.steps_per_epoch - 1)
-        return (stop - start - 1) % self.batch_size + 1
+        first = stop - ((stop - start - 1) % self.batch_size + 1)
+        return min(filter(None, (self.held(r, first, stop) for r in range(len(self.lengths)))))
 
     def batch(self, step: int) -> StepBatch:
         """The positions step ``step`` (1-based) consumed; ValueError outside the run."""

@@ -129,12 +129,14 @@ def expected_fingerprint(
 def definition(sampler: Any, probes: int = DEFINITION_PROBES) -> tuple[Any, ...]:
     """What ``sampler`` defines for its epoch, in a few numbers: the mode, N, W, L and a hash of
     the (slot, index) pairs at ``probes`` positions spread over the first and the last rank's
-    lists (so over the whole epoch; each rank checks its own list in full)."""
-    length, world = sampler.num_samples, sampler.num_replicas
-    positions = np.unique(np.linspace(0, max(length - 1, 0), num=min(probes, length) // 2 + 1))
-    positions = positions.astype(np.int64) if length else np.zeros(0, dtype=np.int64)
+    lists (so over the whole epoch; each rank checks its own list in full). L is the longest
+    list's length, the same on every rank; a shorter last list is probed up to its end."""
+    length, world = sampler.epoch_length, sampler.num_replicas
+    spread = np.unique(np.linspace(0, max(length - 1, 0), num=min(probes, length) // 2 + 1))
+    spread = spread.astype(np.int64) if length else np.zeros(0, dtype=np.int64)
     digest = 0
     for r in sorted({0, world - 1}):
+        positions = spread[spread < sampler.length_of(r)]
         slots = sampler.rule.slots(positions, r, length, world).astype(np.uint64)
         pairs = splitmix64(sampler.index_at(positions, r)) ^ slots
         digest = (digest + fingerprint_sum(pairs)) & _M64
@@ -150,11 +152,11 @@ def derived_coverage(sampler: Any, ranges: list[tuple[int, int]]) -> dict[str, A
     exactly when they agree mod N. Only the residues of padding slots (j >= N, fewer than W of
     them) have more than one slot; every other slot read is one index read once.
     """
-    n, length, world = sampler.dataset_size, sampler.num_samples, sampler.num_replicas
+    n, length, world = sampler.dataset_size, sampler.epoch_length, sampler.num_replicas
     reads = sum(count for _, count in ranges)
     if n == 0:
         return {"coverage": 0.0, "covered": 0, "overlap": 0, "repeats": 0}
-    total = length * world
+    total = sampler.total_size  # W x L, or N in `exact`: no padding slot, nothing read twice
     residues = np.unique(np.arange(n, total, dtype=np.int64) % n)
     slots = residues[:, None] + n * np.arange(-(-total // n), dtype=np.int64)[None, :]
     exists = slots < total
