@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
 from ddp_template.boundary import check, plain, typed
 from ddp_template.data.splits import build_splits
@@ -56,9 +57,14 @@ def test_wrong_type_is_refused_by_composition_naming_it(compose_cfg, override: s
 
 
 def test_bad_norm_names_the_choices(compose_cfg) -> None:
-    cfg = compose_cfg("model.norm=layer", "data=synthetic", "data.size=8", "data.image_size=8")
+    """model.norm is a closed set: Hydra refuses another value naming the choices; a direct
+    call of the factory refuses it in one sentence."""
+    with pytest.raises(Exception, match=r"model\.norm=layer"):
+        compose_cfg("model.norm=layer", "data=synthetic", "data.size=8", "data.image_size=8")
+    cfg = compose_cfg("data=synthetic", "data.size=8", "data.image_size=8")
     with pytest.raises(ConfigError, match=r"^model\.norm=layer is not a normalisation; use one of"):
-        build_model(cfg.model, build_splits(cfg.data).info)
+        model = OmegaConf.create({**OmegaConf.to_container(cfg.model), "norm": "layer"})
+        build_model(model, build_splits(cfg.data).info)
 
 
 def test_every_loop_key_reaches_the_logged_config(compose_cfg) -> None:
