@@ -255,8 +255,11 @@ def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 BN = ["model.norm=batch"]
 PAIRS = {  # W=2 ranks x batch B (x accumulate)  vs  1 process x 2B (x accumulate)
-    "plain": (["loader.batch_size=10"], ["loader.batch_size=20"]),
-    "accumulate": (["loader.batch_size=4", "optim.accumulate=3"], ["loader.batch_size=8", "optim.accumulate=3"]),
+    "plain": (["loader.batch_size=10", "log_every=1"], ["loader.batch_size=20"]),
+    "accumulate": (
+        ["loader.batch_size=4", "optim.accumulate=3"],
+        ["loader.batch_size=8", "optim.accumulate=3"],
+    ),
     "syncbn": (["loader.batch_size=10", "syncbn=on", *BN], ["loader.batch_size=20", *BN]),
 }
 
@@ -270,7 +273,7 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(
     launch(tmp_path, digits101, "ranks", *ranks, "dist.nproc=2")
     launch(tmp_path, digits101, "one", *one)
     a, b = last(tmp_path, "ranks"), last(tmp_path, "one")
-    assert a["step"] == b["step"] == {"accumulate": 10}.get(case, 12)
+    assert a["progress"]["step"] == b["progress"]["step"] == {"accumulate": 10}.get(case, 12)
     assert worst(a["model"], b["model"]) < 1e-5, case  # every tensor: weights and BN buffers
 
     rows = [jsonl(tmp_path / f"outputs/ranks/rank{r}/metrics.jsonl") for r in (0, 1)]
@@ -283,6 +286,16 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(
         assert fingerprint_hex(total) == fingerprint_hex(whole)
     if case == "plain":  # rank 1's sixth micro-batch held none, yet it ran all six steps
         assert [e["data/batches"] for e in (epochs[0][0], epochs[1][0])] == [6, 5]
+        # ... and logs no loss for that step (0 samples: no mean to report, never a NaN)
+        losses = [[row["step"] for row in rank if "train/loss" in row] for rank in rows]
+        assert losses[0] == list(range(1, 13)), losses[0]
+        assert losses[1] == [s for s in range(1, 13) if s % 6], losses[1]
+        assert all(
+            row["train/loss"] == row["train/loss"]
+            for rank in rows
+            for row in rank
+            if "train/loss" in row
+        )
     shards = [row for row in rows[0] if "shards/verdict_ok" in row]
     assert [(s["shards/verdict_ok"], s["shards/total_samples"]) for s in shards] == [(1, 101)] * 2
     assert all((s["shards/coverage"], s["shards/repeats"]) == (1.0, 0) for s in shards)
@@ -305,11 +318,12 @@ def test_three_ranks_killed_mid_epoch_resume_bit_identically(digits101: Path, tm
     proc = launch(tmp_path, data, "chain", *common, *kill, check=False)
     assert proc.returncode != 0 and "SIGKILL" in proc.stderr, proc.stderr[-2000:]
     stopped = last(tmp_path, "chain")
-    assert (stopped["step"], stopped["epoch"], stopped["position"]) == (3, 0, 33)
+    progress = stopped["progress"]
+    assert (progress["step"], progress["epoch"], progress["position"]) == (3, 0, 33)
     proc = launch(tmp_path, data, "chain", *common)
     assert "resumed from" in proc.stdout
     ref, resumed = last(tmp_path, "ref"), last(tmp_path, "chain")
-    assert ref["step"] == resumed["step"] == 4
+    assert ref["progress"]["step"] == resumed["progress"]["step"] == 4
     assert_identical(ref["model"], resumed["model"])
     assert_identical(ref["optimizer"]["state"][0], resumed["optimizer"]["state"][0])
     # The killed launch ended no epoch; the resumed one read the epoch's last sample.

@@ -206,15 +206,14 @@ def train_one_epoch(
         stats.steps += 1
         if want_norm:
             now = time.perf_counter()
-            on_interval(
-                {
-                    "train/loss": ((loss_acc - interval_start) / interval_n).item(),
-                    "train/lr": tr.scheduler.get_last_lr()[0],
-                    "train/grad_norm": float(norm),
-                    "perf/interval_samples_per_s": interval_n / (now - interval_t),
-                },
-                state.step,
-            )
+            row = {
+                "train/lr": tr.scheduler.get_last_lr()[0],
+                "train/grad_norm": float(norm),
+                "perf/interval_samples_per_s": interval_n / (now - interval_t),
+            }
+            if interval_n:  # sampler=exact: a rank whose list has ended has no loss to report
+                row["train/loss"] = ((loss_acc - interval_start) / interval_n).item()
+            on_interval(row, state.step)
             interval_t, interval_n = now, 0
             interval_start.copy_(loss_acc)
         if on_step(state):

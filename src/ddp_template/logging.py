@@ -149,7 +149,7 @@ class RankLogger:
         if self.bar is not None:
             self.bar.set_postfix(
                 step=step,
-                loss=f"{metrics['train/loss']:.4f}",
+                loss=f"{metrics.get('train/loss', float('nan')):.4f}",
                 sps=f"{metrics['perf/interval_samples_per_s']:.0f}",
             )
 
