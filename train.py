@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
-from ddp_template import boundary, distributed, faults, launch, numerics, run_identity
+from ddp_template import boundary, distributed, failures, faults, launch, numerics, run_identity
 from ddp_template.amp import build_scaler
 from ddp_template.checkpoint import Checkpointer, init_weights, restore, resume_rank0
 from ddp_template.config import Config, register_configs
@@ -228,6 +228,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
     """One rank's whole run; returns the final eval accuracy (the sweep objective)."""
     numerics.apply(cfg)  # before this rank's first CUDA work
     info = distributed.setup(cfg.backend)
+    failures.record_start(run.run_dir, info.rank)  # for a peer that outlives this rank
     setup_console(info, run.run_dir)
     log.info("%s", info.describe())
     log.info("numerics: %s", numerics.describe())
@@ -261,8 +262,8 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         log.error("%s", exc)
         exit_code = EXIT_CONFIG_ERROR
         raise SystemExit(EXIT_CONFIG_ERROR) from None
-    except Exception:
-        launch.record_failure(run.run_dir, info.rank)  # the launcher names who failed first
+    except Exception as exc:
+        failures.record_failure(run.run_dir, info.rank, exc)  # the launcher names the cause
         raise
     except SystemExit as exc:
         exit_code = exc.code if isinstance(exc.code, int) else 1
@@ -274,6 +275,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
             # An agreed stop: a launcher ends the other ranks at the first non-zero exit, so no
             # rank leaves before every rank has flushed its logs and W&B run.
             distributed.barrier(info)
+        failures.record_exit(run.run_dir, info.rank, exit_code)
         distributed.teardown()
 
 
