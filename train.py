@@ -20,7 +20,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_template import boundary, distributed, faults, launch, numerics, run_identity
+from ddp_template import boundary, distributed, failures, faults, launch, numerics, run_identity
 from ddp_template.amp import build_scaler, scaler_part
 from ddp_template.checkpoint import Checkpointer, resume_rank0
 from ddp_template.config import Config, register_configs
@@ -260,11 +260,12 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
     """One rank's whole run; returns the final eval accuracy (the sweep objective)."""
     numerics.apply(cfg.numerics)  # before this rank's first CUDA work
     info = distributed.setup(cfg.backend)
-    setup_console(info, run.run_dir)
-    log.info("%s", info.describe())
-    log.info("numerics: %s", numerics.describe())
     logger, exit_code = None, 1
     try:
+        failures.record_start(run.run_dir, info.rank)  # for a peer that outlives this rank
+        setup_console(info, run.run_dir)
+        log.info("%s", info.describe())
+        log.info("numerics: %s", numerics.describe())
         config = boundary.plain(cfg)
         logger = RankLogger(cfg=cfg.logger, run=run, info=info, config=config)  # W&B starts
         built = build(cfg, info)  # ...while this builds
@@ -288,20 +289,25 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         log.error("%s", exc)
         exit_code = EXIT_CONFIG_ERROR
         raise SystemExit(EXIT_CONFIG_ERROR) from None
-    except Exception:
-        launch.record_failure(run.run_dir, info.rank)  # the launcher names who failed first
+    except Exception as exc:
+        failures.record_failure(run.run_dir, info.rank, exc)  # the launcher names the cause
         raise
     except SystemExit as exc:
         exit_code = exc.code if isinstance(exc.code, int) else 1
         raise
     finally:
-        if logger is not None:
-            logger.finish(exit_code)
-        if exit_code in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
-            # An agreed stop: a launcher ends the other ranks at the first non-zero exit, so no
-            # rank leaves before every rank has flushed its logs and W&B run.
-            distributed.barrier(info)
-        distributed.teardown()
+        try:
+            if logger is not None:
+                logger.finish(exit_code)
+            if exit_code in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
+                # An agreed stop: a launcher ends the other ranks at the first non-zero exit, so
+                # no rank leaves before every rank has flushed its logs and W&B run.
+                distributed.barrier(info)
+        finally:
+            # Whatever failed above: a process that exits with its gloo group alive can abort
+            # in the interpreter's shutdown ("terminate called without an active exception").
+            failures.record_exit(run.run_dir, info.rank, exit_code)
+            distributed.teardown()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

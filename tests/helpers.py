@@ -142,6 +142,18 @@ def run(
     return proc
 
 
+def assert_killed_rank_reported(proc: subprocess.CompletedProcess, rank: int, sig: str) -> None:
+    """A launch whose rank ``rank`` was killed by ``sig``: a non-zero exit, that rank named as
+    the cause, and every other rank only as what followed (``rank 0 then failed in a
+    collective (Connection closed by peer)``), never as a rank that failed."""
+    err = proc.stderr
+    assert proc.returncode != 0, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith(("rank ", "ranks "))]
+    assert said and said[0].startswith(f"rank {rank} was killed by {sig} (no Python"), err[-3000:]
+    assert all(" then " in line for line in said[1:]), err[-3000:]
+    assert all("Connection" not in line or " then " in line for line in err.splitlines()), err
+
+
 def torchrun(nproc: int, standalone: bool = True) -> list[str]:
     if standalone:
         return [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}"]

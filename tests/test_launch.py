@@ -12,6 +12,7 @@ from helpers import (
     PY,
     ROOT,
     TORCHRUN,
+    assert_killed_rank_reported,
     assert_one_run_dir,
     free_port,
     jsonl,
@@ -146,23 +147,11 @@ def test_run_id_sources(env_key: str) -> None:
         compute_run_id(multi)
 
 
-def test_the_rank_that_failed_first_is_the_one_reported(tmp_path: Path) -> None:
-    """Rank 0's collective fails *because* rank 1 crashed; the agent may see rank 0 exit first,
-    but the recorded times name rank 1 (latest elastic attempt first, stale files ignored)."""
-    import json
-
-    from ddp_template.launch import _recorded_failures
-
-    def write(rank: int, t: float, attempt: int) -> None:
-        (tmp_path / f"rank{rank}").mkdir(exist_ok=True)
-        record = {"time": t, "attempt": attempt, "traceback": f"tb of rank {rank} at {t}"}
-        (tmp_path / f"rank{rank}" / "error.json").write_text(json.dumps(record))
-
-    write(0, 100.5, 0)  # the collateral gloo error, a little later
-    write(1, 100.2, 0)  # the crash
-    write(2, 50.0, 0)  # from an earlier run in the same directory
-    records = _recorded_failures(tmp_path, since=100.0)
-    assert sorted(records) == [0, 1] and min(records, key=records.__getitem__) == 1
-    write(0, 120.0, 1)  # a later elastic attempt failed on rank 0 alone
-    records = _recorded_failures(tmp_path, since=100.0)
-    assert min(records, key=records.__getitem__) == 0 and records[0][2] == "tb of rank 0 at 120.0"
+def test_a_sigkilled_rank_is_named_not_the_collective_failure_it_caused(tmp_path: Path) -> None:
+    """Rank 1 SIGKILLed at step 2 (the OOM killer's way: no exception, no record); rank 0's
+    next collective then fails. Whichever rank the agent sees exit first, the report names
+    rank 1 and SIGKILL, rank 0 only as what followed, and nothing is left running. The
+    decision for either order is tests/test_failures.py's."""
+    kill = ["fault.crash_at_step=2", "fault.rank=1", "fault.signal=SIGKILL"]
+    proc = run(train_cmd(tmp_path, "dist.nproc=2", *TINY, *kill), check=False, leftovers=10)
+    assert_killed_rank_reported(proc, rank=1, sig="SIGKILL")

@@ -17,7 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cpu_rank, jsonl, run, run_env, torchrun, train_cmd
+from helpers import (
+    assert_killed_rank_reported,
+    cpu_rank,
+    jsonl,
+    run,
+    run_env,
+    torchrun,
+    train_cmd,
+)
 from wandb_reader import find_runs
 
 from ddp_template import checkpoint
@@ -94,12 +102,12 @@ def test_sigkill_crash_and_ctrl_c_in_turn_each_resume_to_the_identical_model(
     resume: every stop is checked on its own launch's output.)"""
     ckpt = tmp_path / "outputs/chain/checkpoints/last.pt"
 
-    # 1. The OOM killer's way: no exception, no handler. The run fails naming SIGKILL, and no
-    # process it started (under forkserver the killed rank's loader workers used to outlive the
-    # whole run) is left 10 s after the launcher exits: ``run`` fails on any.
+    # 1. The OOM killer's way: no exception, no handler. The run fails naming rank 1 and
+    # SIGKILL, and no process it started (under forkserver the killed rank's loader workers
+    # used to outlive the whole run) is left 10 s after the launcher exits: ``run`` fails on any.
     kill = ["fault.crash_at_step=2", "fault.rank=1", "fault.signal=SIGKILL"]
     proc = launch(tmp_path, "chain", "logger=none", *kill, check=False, leftovers=10)
-    assert proc.returncode != 0 and "SIGKILL" in proc.stderr, proc.stderr[-2000:]
+    assert_killed_rank_reported(proc, rank=1, sig="SIGKILL")
 
     # 2. Resumed, then a rank raises mid-epoch: every rank stops promptly with its traceback,
     # nothing left behind 10 s later (torchrun semantics), and the step-10 checkpoint records

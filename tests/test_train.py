@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_run_dir, run, run_dirs, summary, train_cmd
+from helpers import PY, ROOT, assert_one_run_dir, run, run_dirs, run_env, summary, train_cmd
 
 
 def test_plain_torchrun_two_ranks_learns_in_one_run_dir(digits_fp32_run: Path) -> None:
@@ -36,3 +36,69 @@ def test_three_ranks_evaluate_exactly_like_one(tmp_path: Path) -> None:
     assert s3["eval_correct"] == s1["eval_correct"]
     # Logits are float32 and batch shapes differ per rank: the loss agrees to float precision.
     assert s3["eval_loss"] == pytest.approx(s1["eval_loss"], rel=1e-5)
+
+
+# One rank (a gloo group of 1) runs train() three times, each failing at another step of its
+# way out; prints, per way, the exception and whether the process group was left alive.
+WAYS_OUT = """
+import json, os, runpy, socket, sys
+from pathlib import Path
+from unittest import mock
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+root, out = Path(sys.argv[1]), Path(sys.argv[2])
+train = runpy.run_path(str(root / "train.py"))["train"]  # not its __main__
+from ddp_template import boundary, distributed
+from ddp_template.logging import RankLogger
+from ddp_template.run_identity import RunInfo
+overrides = ["logger=none", "epochs=0", "data=synthetic", "data.size=8", "data.eval_size=4",
+             "data.image_size=8", "batch_size=4"]
+with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
+    cfg = boundary.typed(compose(config_name="config", overrides=overrides))
+fails = OSError("fails on the way out")
+ways = {
+    "console": [mock.patch.dict(train.__globals__, setup_console=mock.Mock(side_effect=fails))],
+    "finish": [mock.patch.object(RankLogger, "finish", side_effect=fails)],
+    "barrier after a stop": [
+        mock.patch.dict(train.__globals__, fit=mock.Mock(side_effect=SystemExit(75))),
+        mock.patch.object(distributed, "barrier", side_effect=fails),
+    ],
+}
+found = {}
+for way, patches in ways.items():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    raised = None
+    for p in patches:
+        p.start()
+    try:
+        train(cfg, RunInfo(run_id=way, run_dir=out / way.replace(" ", "_")))
+    except BaseException as exc:
+        raised = repr(exc)
+    finally:
+        mock.patch.stopall()
+    found[way] = [raised, dist.is_initialized()]
+    if dist.is_initialized():
+        dist.destroy_process_group()
+print(json.dumps(found))
+"""
+
+
+def test_the_process_group_is_destroyed_whatever_fails_on_the_way_out(tmp_path: Path) -> None:
+    """A process that exits with its gloo group alive can abort in the interpreter's shutdown
+    (torch 2.14: "terminate called without an active exception"), so train() destroys the
+    group on every way out: also when the console setup, closing the logger or the barrier of
+    an agreed stop raises."""
+    import json
+
+    env = run_env(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1"
+    )
+    proc = run([PY, "-c", WAYS_OUT, str(ROOT), str(tmp_path)], env=env, timeout=300)
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert found == {
+        "console": ["OSError('fails on the way out')", False],
+        "finish": ["OSError('fails on the way out')", False],
+        "barrier after a stop": ["OSError('fails on the way out')", False],
+    }

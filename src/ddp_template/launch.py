@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import multiprocessing
 import os
 import signal
 import sys
 import time
-import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from ddp_template import failures
 from ddp_template.config import Config
 from ddp_template.distributed import LAUNCHER_VAR, launched_by_torchrun
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED
@@ -80,61 +80,97 @@ def launch(fn: Any, cfg: Config, run: RunInfo) -> Any:
         # Each rank is then a fork of one server that has imported torch and this script once,
         # instead of a fresh interpreter importing them (seconds per rank on a small machine).
         multiprocessing.set_forkserver_preload(["torch", "__main__"])
-    started = time.time()
     os.environ["RUN_ID"] = run.run_id  # workers inherit it: one id, also after restarts
     os.environ[LAUNCHER_VAR] = "dist.nproc"
     _quiet_agent()
+    exits = _Exits()
     try:
-        results = elastic_launch(config, _importable(fn))(cfg, run)
+        with _agent_keeping(exits):
+            results = elastic_launch(config, _importable(fn))(cfg, run)
     except SignalException as exc:  # Ctrl-C or SIGTERM reached this process too
         _kill_workers()  # they have checkpointed and left, unless a second Ctrl-C came first
         interrupted = exc.sigval == signal.SIGINT
         raise SystemExit(EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED) from None
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        seen, failure = exc.get_first_failure()
         if failure.exitcode in (EXIT_CONFIG_ERROR, EXIT_PREEMPTED, EXIT_INTERRUPTED):
             raise SystemExit(failure.exitcode) from None  # the rank said why
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("extraInfo", {}).get("py_callstack") or message.get("message")
-        records = _recorded_failures(run.run_dir, started)
-        if rank in records:  # the rank the agent saw raised too: did another rank raise first?
-            rank = min(records, key=records.__getitem__)
-            message = records[rank][2]
-        print(f"rank {rank} failed (exit code {failure.exitcode}):\n{message}", file=sys.stderr)
-        raise SystemExit(failure.exitcode if failure.exitcode > 0 else 1) from None
+        verdict = _verdict(seen, failure, exits, run.run_dir)
+        print(verdict.report, file=sys.stderr)
+        raise SystemExit(verdict.exitcode) from None
     return results[0]
 
 
-def record_failure(run_dir: Path, rank: int) -> None:
-    """A failing rank's traceback and the moment it raised, in ``rank<r>/error.json``.
+def _verdict(seen: int, failure: Any, exits: _Exits, run_dir: Path) -> failures.Verdict:
+    """Who caused the failure, from every worker's exit code and the ranks' own records; torch's
+    own record of the rank it saw stands in for ours when that rank left none."""
+    found = failures.read_failures(run_dir, since=exits.started)
+    message = failure.message
+    if seen not in found and isinstance(message, dict):  # torch's @record caught an exception
+        text = message.get("extraInfo", {}).get("py_callstack") or message.get("message", "")
+        found[seen] = failures.Failure(
+            time=failure.timestamp,
+            attempt=0,
+            traceback=text,
+            peer_gone=failures.peer_gone(text),
+        )
+    codes = exits.codes or {seen: failure.exitcode}  # empty: torch's agent changed
+    return failures.cause(exits=codes, failures=found, seen=seen)
 
-    The agent reports the first rank it sees exit; when rank 1 crashes, rank 0's collective
-    fails at once ("Connection closed by peer") and may exit first, and the agent then stops
-    rank 1 and never shows its traceback. The times recorded here name the rank that failed
-    first.
+
+class _Exits:
+    """What the agent saw of the last worker group: when it started (older records belong to an
+    earlier attempt) and, once it failed, every worker's exit code."""
+
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.codes: dict[int, int] = {}
+
+
+@contextlib.contextmanager
+def _agent_keeping(exits: _Exits) -> Iterator[None]:
+    """torch's elastic launch with its LocalElasticAgent keeping every worker's exit code.
+
+    torch's failure result holds one worker: the first that its poll finds exited, which is rank 0
+    whenever both ranks are gone by the poll, also when rank 1's death caused rank 0's. The agent's
+    ``_start_workers``/``_monitor_workers`` are its documented extension points; the exit codes
+    are on the ``multiprocessing.Process`` objects inside its process context (set by the join that
+    found the failure), which is torch internals (2.14): read in ``_exit_codes`` only, and anything
+    missing there leaves ``exits.codes`` empty, so the report falls back to torch's one failure.
     """
-    record = {
-        "time": time.time(),
-        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        "traceback": traceback.format_exc(),
-    }
-    path = run_dir / f"rank{rank}" / "error.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record))
+    import torch.distributed.launcher.api as launcher_api
+
+    base = getattr(launcher_api, "LocalElasticAgent", None)
+    if base is None:
+        yield
+        return
+
+    class Agent(base):  # type: ignore[misc, valid-type]
+        def _start_workers(self, worker_group: Any) -> Any:
+            exits.started, exits.codes = time.time(), {}
+            return super()._start_workers(worker_group)
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed():
+                exits.codes = _exit_codes(self, worker_group)
+            return result
+
+    launcher_api.LocalElasticAgent = Agent  # launch_agent builds its agent by this name
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = base
 
 
-def _recorded_failures(run_dir: Path, since: float) -> dict[int, tuple[int, float, str]]:
-    """rank -> (-attempt, time, traceback) of the failures recorded since this launch began:
-    ``min`` over the values is the earliest failure of the last elastic attempt."""
-    found = {}
-    for path in run_dir.glob("rank*/error.json"):
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            record = json.loads(path.read_text())
-            if record["time"] >= since:
-                rank = int(path.parent.name.removeprefix("rank"))
-                found[rank] = (-record["attempt"], record["time"], record["traceback"])
-    return found
+def _exit_codes(agent: Any, worker_group: Any) -> dict[int, int]:
+    """global rank -> exit code of every worker of a failed group; {} if torch's layout changed."""
+    try:
+        processes = agent._pcontext._pc.processes  # MultiprocessContext -> mp.ProcessContext
+        codes = {w.global_rank: processes[w.local_rank].exitcode for w in worker_group.workers}
+    except (AttributeError, IndexError, TypeError):
+        return {}
+    return {rank: code for rank, code in codes.items() if isinstance(code, int)}
 
 
 class _DropSignalNotice(logging.Filter):
