@@ -173,9 +173,15 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def step_trainer(*, model, optimizer, scaler, device, amp_mode: str, grad_clip: float):
-    """A one-process Trainer with a constant learning rate, for tests of a single step."""
+def step_trainer(
+    *, model, optimizer, scaler=None, device=None, amp_mode: str = "off", grad_clip=None
+):
+    """A one-process Trainer with a constant learning rate, for tests of a single step (on the
+    CPU, fp32, no clipping unless told)."""
     import torch
+
+    device = torch.device("cpu") if device is None else device
+    scaler = torch.amp.GradScaler("cpu", enabled=False) if scaler is None else scaler
 
     from ddp_template.distributed import DistInfo
     from ddp_template.engine import Trainer

@@ -54,10 +54,7 @@ def train_with_ema(info: DistInfo) -> tuple[EMA, torch.nn.Module]:
     tr = step_trainer(
         model=build_ddp(DDPConfig(), model, info),
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        scaler=torch.amp.GradScaler("cpu", enabled=False),
         device=info.device,
-        amp_mode="off",
-        grad_clip=None,
     )
     gen = torch.Generator().manual_seed(100 + info.rank)
     for step in (1, 2, 3):

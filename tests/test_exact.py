@@ -127,10 +127,6 @@ def test_empty_micro_batch_gives_zero_gradients_not_nan() -> None:
     tr = step_trainer(
         model=model,
         optimizer=opt,
-        scaler=torch.amp.GradScaler("cpu", enabled=False),
-        device=torch.device("cpu"),
-        amp_mode="off",
-        grad_clip=None,
     )
     loss = _forward_backward(tr, torch.empty(0, 4), torch.empty(0, dtype=torch.long), 0.0, True)
     assert loss.item() == 0.0

@@ -147,10 +147,6 @@ def test_label_smoothing_is_the_training_loss() -> None:
     tr = step_trainer(
         model=model,
         optimizer=optimizer,
-        scaler=torch.amp.GradScaler("cpu", enabled=False),
-        device=torch.device("cpu"),
-        amp_mode="off",
-        grad_clip=None,
     )
     tr.label_smoothing = 0.2
     x, y = torch.randn(6, 1, 8, 8), torch.arange(6)
