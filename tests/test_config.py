@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp_template.boundary import check, typed
 from ddp_template.config import SamplerMode
-from ddp_template.data.samplers import SAMPLER_MODES
+from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.splits import build_splits
 from ddp_template.errors import ConfigError
 from ddp_template.models import build_model

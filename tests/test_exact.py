@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from test_resume import assert_identical
 
 from ddp_template.data.accounting import fingerprint_hex, fingerprint_sum
-from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
+from ddp_template.data.sampler_modes import SAMPLER_MODES
+from ddp_template.data.samplers import ShardSampler
 from ddp_template.data.schedule import StepSchedule
 from ddp_template.data.shard_check import epoch_report, own_check
 from ddp_template.engine import micro_batches

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_template.data.feistel import FeistelPermutation
-from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
+from ddp_template.data.sampler_modes import SAMPLER_MODES
+from ddp_template.data.samplers import ShardSampler
 
 
 class Sized:

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
+from ddp_template.data.sampler_modes import SAMPLER_MODES
+from ddp_template.data.samplers import ShardSampler
 from ddp_template.shard_draw import coverage_bins
 from ddp_template.shard_plot import (
     ShardLayout,

@@ -40,7 +40,8 @@ from torch.utils.data.distributed import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
+from ddp_template.data.sampler_modes import SAMPLER_MODES
+from ddp_template.data.samplers import ShardSampler
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 STATEFUL = [StatefulDistributedSampler, ShardSampler]

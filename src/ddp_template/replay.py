@@ -37,7 +37,8 @@ from ddp_template import boundary
 from ddp_template.checkpoint import load as load_checkpoint
 from ddp_template.config import Config
 from ddp_template.data.loader import build_train_sampler
-from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
+from ddp_template.data.sampler_modes import SAMPLER_MODES
+from ddp_template.data.samplers import ShardSampler
 from ddp_template.data.schedule import StepSchedule
 from ddp_template.data.splits import build_splits
 from ddp_template.distributed import DistInfo

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
+from ddp_template.data.sampler_modes import SAMPLER_MODES
+from ddp_template.data.samplers import ShardSampler
 from ddp_template.shard_draw import ShardLayout, draw_layout, save
 
 __all__ = ["ShardLayout", "draw_layout", "layout_from_sampler", "save_layout_png", "save_modes_png"]

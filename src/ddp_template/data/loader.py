@@ -28,7 +28,8 @@ from torch.utils.data import DataLoader, Dataset
 from ddp_template.config import LoaderConfig, SamplerConfig
 from ddp_template.data.contract import BatchFetch, collate
 from ddp_template.data.eval_sampler import EvalShardSampler
-from ddp_template.data.samplers import SAMPLER_MODES, ShardSampler
+from ddp_template.data.sampler_modes import SAMPLER_MODES
+from ddp_template.data.samplers import ShardSampler
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
 

@@ -5,14 +5,14 @@ arguments) giving torch's exact lists in its `padded` and `drop_last` modes, plu
 `sequential` layout, the `exact` deal (every sample once, no padding, no drop), a resumable
 position (torchdata's stateful protocol too) and a keyed
 Feistel permutation that shuffles huge datasets without materialising `randperm(N)`.
-`SAMPLER_MODES` is the one table of the modes; docs/ARCHITECTURE.md states the semantics.
+`data.sampler_modes.SAMPLER_MODES` is the one table of the modes; docs/ARCHITECTURE.md states
+the semantics.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Iterator, Sized
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,79 +21,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_template.data.feistel import FeistelPermutation
 from ddp_template.data.sampler_args import as_bool, as_int, as_positions, resolve_world
+from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.sampler_state import resume_point, state_of
 
-
-@dataclass(frozen=True)
-class ModeRule:
-    """How one sampler mode lays an epoch out over W ranks (one row of ``SAMPLER_MODES``).
-
-    Slots ``j >= N`` of the global list are padding: they repeat ``perm(j mod N)``.
-    """
-
-    summary: str
-    shuffles: bool  # may shuffle (the permutation applies to the slots)
-    drops_tail: bool  # floor(N/W) per rank, the tail dropped; else ceil(N/W), the tail padded
-    contiguous: bool  # rank r holds the block r*L..(r+1)*L-1; else the slots r, r+W, r+2W, ...
-    # Rank r holds only its real slots, ceil or floor(N/W) of them: nothing padded or dropped.
-    uneven: bool = False
-
-    def length(self, n: int, world: int) -> int:
-        """Positions per rank (L): the longest rank's list, the positions every rank steps
-        through."""
-        return n // world if self.drops_tail else _ceil_div(n, world)
-
-    def rank_length(self, n: int, rank: int, world: int) -> int:
-        """Positions of ``rank``'s own list: L, or only its real ones in an uneven mode."""
-        length = self.length(n, world)
-        return self.real_positions(n, rank, length, world) if self.uneven else length
-
-    def total(self, n: int, world: int) -> int:
-        """Slots of the epoch over all ranks: N in an uneven mode, else W x L."""
-        return n if self.uneven else self.length(n, world) * world
-
-    def slots(self, positions: np.ndarray, rank: int, length: int, world: int) -> np.ndarray:
-        """Global slot of each of ``rank``'s positions."""
-        return rank * length + positions if self.contiguous else rank + positions * world
-
-    def owners(self, slots: np.ndarray, length: int, world: int) -> tuple[np.ndarray, np.ndarray]:
-        """(rank, position) holding each global slot: the inverse of ``slots``."""
-        if self.contiguous:
-            return slots // length, slots % length
-        return slots % world, slots // world
-
-    def real_positions(self, n: int, rank: int, length: int, world: int) -> int:
-        """How many of ``rank``'s positions come before its first padding slot."""
-        return max(0, n - rank * length if self.contiguous else _ceil_div(n - rank, world))
-
-
-SAMPLER_MODES = {
-    "padded": ModeRule(
-        summary="shuffled, the tail padded with repeats (DistributedSampler's default)",
-        shuffles=True,
-        drops_tail=False,
-        contiguous=False,
-    ),
-    "drop_last": ModeRule(
-        summary="shuffled, the tail dropped (DistributedSampler with drop_last=True)",
-        shuffles=True,
-        drops_tail=True,
-        contiguous=False,
-    ),
-    "sequential": ModeRule(
-        summary="contiguous shards, never shuffled, the tail padded",
-        shuffles=False,
-        drops_tail=False,
-        contiguous=True,
-    ),
-    "exact": ModeRule(
-        summary="shuffled, every sample exactly once: ranks hold ceil or floor(N/W)",
-        shuffles=True,
-        drops_tail=False,
-        contiguous=False,
-        uneven=True,
-    ),
-}
 _FIRST_BLOCK = 1024  # small first block: the first index arrives in well under a millisecond
 _MAX_BLOCK = 16384  # later blocks: amortise numpy overhead, yet keep temporaries ~1 MiB
 PERMUTATIONS = ("auto", "randperm", "feistel")
@@ -106,10 +36,6 @@ PERMUTATIONS = ("auto", "randperm", "feistel")
 # < 1 ms and ~1 MiB at any N. Up to 2**24 the cost is small next to an epoch of that many
 # samples, so exact reproducibility wins; beyond it the per-epoch stall and memory do not pay.
 AUTO_FEISTEL_THRESHOLD = 2**24
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _resolve_mode(mode: Any, drop_last: bool) -> str:
