@@ -51,8 +51,8 @@ train = runpy.run_path(str(root / "train.py"))["train"]  # not its __main__
 from ddp_template import boundary, distributed
 from ddp_template.logging import RankLogger
 from ddp_template.run_identity import RunInfo
-overrides = ["logger=none", "epochs=0", "data=synthetic", "data.size=8", "data.eval_size=4",
-             "data.image_size=8", "batch_size=4"]
+overrides = ["logger=none", "epochs=0", "data=synthetic", "data.size=8", "data.test_size=4",
+             "data.image_size=8", "loader.batch_size=4"]
 with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
     cfg = boundary.typed(compose(config_name="config", overrides=overrides))
 fails = OSError("fails on the way out")
