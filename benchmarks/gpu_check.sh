@@ -139,9 +139,9 @@ for size in "${SIZES[@]}"; do
         id="bench-${size}px-${amp}"
         echo "-- $id"
         RUN_ID=$id timeout "$RUN_TIMEOUT" "$PY" train.py model=resnet18 data=synthetic \
-            "data.image_size=$size" "data.size=$((BATCH * STEPS))" "data.eval_size=$BATCH" \
-            "amp=$amp" epochs=2 "max_steps_per_epoch=$STEPS" "batch_size=$BATCH" \
-            "eval_batch_size=$BATCH" "num_workers=$NUM_WORKERS" "log_every=$STEPS" \
+            "data.image_size=$size" "data.size=$((BATCH * STEPS))" "data.test_size=$BATCH" \
+            "amp=$amp" epochs=2 "max_steps_per_epoch=$STEPS" "loader.batch_size=$BATCH" \
+            "loader.eval_batch_size=$BATCH" "loader.num_workers=$NUM_WORKERS" "log_every=$STEPS" \
             logger=none checkpoint.enabled=false "paths.output_root=$OUT/outputs" \
             "paths.multirun_root=$OUT/multirun" > "$OUT/$id.log" 2>&1 \
             || { tail -30 "$OUT/$id.log"; exit 1; }
