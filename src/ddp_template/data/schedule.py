@@ -126,8 +126,8 @@ class StepSchedule:
         the step's samples on all ranks, times the ranks DDP averages over, so the averaged
         gradient is the mean over the samples the step really had (no communication)."""
         start, stop = self.span(k)
-        total = sum(max(0, min(stop, length) - start) for length in self.lengths)
-        return samples * len(self.lengths) / total
+        ranks = range(len(self.lengths))
+        return samples * len(ranks) / sum(self.held(r, start, stop) for r in ranks)
 
     @property
     def total_steps(self) -> int:
