@@ -79,7 +79,7 @@ def launch(fn: Any, cfg: Config, run: RunInfo) -> Any:
     if cfg.dist.start_method == "forkserver":
         # Each rank is then a fork of one server that has imported torch and this script once,
         # instead of a fresh interpreter importing them (seconds per rank on a small machine).
-        multiprocessing.set_forkserver_preload(["torch", "__main__"])
+        multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "__main__"])
     os.environ["RUN_ID"] = run.run_id  # workers inherit it: one id, also after restarts
     os.environ[LAUNCHER_VAR] = "dist.nproc"
     _quiet_agent()

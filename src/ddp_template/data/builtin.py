@@ -3,6 +3,7 @@ CIFAR-10, MNIST and class-per-folder images, each returning ``Splits``."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +23,13 @@ def digits(test_fraction: float = 0.2, split_seed: int = 0) -> Splits:
     remaining 1,438 the training set. Pixels (0..16) are standardised with the training set's
     mean and standard deviation.
     """
-    from sklearn.datasets import load_digits
-
     if not 0.0 < test_fraction < 1.0:
         raise ConfigError(
             f"data.test_fraction={test_fraction} must lie strictly between 0 and 1; try 0.2."
         )
-    bunch = load_digits()
-    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1)
-    y = torch.tensor(bunch.target, dtype=torch.long)
+    images, target = _digits_arrays()
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1)
+    y = torch.tensor(target, dtype=torch.long)
     order = torch.from_numpy(np.random.default_rng(split_seed).permutation(len(y)))
     n_test = round(len(y) * test_fraction)
     test, train = order[:n_test], order[n_test:]
@@ -38,6 +37,20 @@ def digits(test_fraction: float = 0.2, split_seed: int = 0) -> Splits:
     x = (x - mean) / std
     info = DataInfo(num_classes=10, in_channels=1, image_size=8)
     return Splits(IndexedTensors(x[train], y[train]), IndexedTensors(x[test], y[test]), info)
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """``load_digits()``'s images (1797, 8, 8) and targets, read from the CSV that scikit-learn
+    ships, without importing scikit-learn: its import costs every rank about 2 s of CPU."""
+    spec = importlib.util.find_spec("sklearn")
+    csv = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec else None
+    if csv is None or not csv.is_file():  # another layout: scikit-learn's own reader
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        return bunch.images, bunch.target
+    table = np.loadtxt(csv, delimiter=",")
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
 
 
 class SyntheticImages(Dataset):

@@ -68,6 +68,9 @@ class Mapped(Dataset):
 
 def pipelines(cfg: TransformsConfig, image_size: int, channels: int) -> tuple[Any, Any]:
     """(training transform, evaluation transform); None where nothing is applied."""
+    name = str(cfg.name)
+    if name == "none" and (cfg.mean is None or cfg.std is None):
+        return None, None  # torchvision unimported: its import costs every rank about 3 s of CPU
     from torchvision.transforms import v2
 
     norm = []
@@ -79,7 +82,6 @@ def pipelines(cfg: TransformsConfig, image_size: int, channels: int) -> tuple[An
                 f"or null."
             )
         norm = [v2.Normalize(list(cfg.mean), list(cfg.std))]
-    name = str(cfg.name)
     if name == "cifar":
         train = [v2.RandomCrop(image_size, padding=cfg.padding), v2.RandomHorizontalFlip()]
         test: list[Any] = []
