@@ -65,8 +65,9 @@ from ddp_template.rng import RngState
 from ddp_template.selection import Selection, build_selection
 from ddp_template.shard_plot import draw_shards_async
 
-register_configs()
-run_identity.register_resolvers()
+if __name__ != "__mp_main__":  # a forked rank or loader worker re-runs this file to unpickle
+    register_configs()
+    run_identity.register_resolvers()
 
 
 class Built(NamedTuple):

@@ -32,6 +32,7 @@ from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShardSampler
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
+from ddp_template.preload import loaded_modules
 
 
 def init_worker(worker_id: int, rank_pid: int) -> None:
@@ -85,7 +86,7 @@ def _worker_start_method() -> str:
         return "spawn"
     # The server imports these once; each worker is then a fork of it instead of a fresh
     # interpreter importing torch (~1.5 s per worker, 8 workers for 2 ranks' two loaders).
-    mp.set_forkserver_preload(["torch", "numpy", "ddp_template.data.loader"])
+    mp.set_forkserver_preload(loaded_modules("torch", "numpy"))
     # Started now, the server's imports overlap building the model, DDP and W&B instead of
     # delaying the first batch.
     forkserver.ensure_running()
