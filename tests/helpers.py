@@ -42,14 +42,23 @@ def run_env(**extra: str) -> dict[str, str]:
 CPU = "backend=gloo"
 
 
+# W&B costs each rank seconds of CPU to import and start: a run logs to it only where its test
+# reads what W&B got (tests/test_wandb_*.py, the resumed W&B runs, the artifacts).
+QUIET = "logger=none"
+CHOOSES_LOGGER = ("logger", "debug=", "experiment=", "+experiment=")
+
+
 def train_cmd(out: Path, *overrides: str, launcher: list[str] | None = None) -> list[str]:
     """A train.py command writing under ``out`` (outputs/, multirun/), on gloo unless an
-    override chooses the backend."""
+    override chooses the backend, and without W&B unless an override chooses the logger (or a
+    ``debug``/``experiment`` preset does)."""
     paths = [f"paths.output_root={out / 'outputs'}", f"paths.multirun_root={out / 'multirun'}"]
     flags = [o for o in overrides if o.startswith("-")]  # -m / --multirun go before overrides
     rest = [o for o in overrides if not o.startswith("-")]
     if not any(o.startswith(("backend=", "backend.name=")) for o in rest):
         rest.insert(0, CPU)
+    if not any(o.startswith(CHOOSES_LOGGER) for o in rest):
+        rest.insert(0, QUIET)
     return [*(launcher or [PY]), str(ROOT / "train.py"), *flags, *paths, *rest]
 
 

@@ -167,12 +167,12 @@ def test_sigterm_checkpoints_exits_75_then_resumes(reference, tmp_path: Path) ->
     step is the Ctrl-C stop above; the agreement itself is test_preemption_agreement_*."""
     check = "checkpoint.preempt_check_every=10"
     term = ["fault.crash_at_step=3", "fault.rank=1", "fault.signal=SIGTERM"]
-    proc = launch(tmp_path, "term", *term, check, check=False)
+    proc = launch(tmp_path, "term", "logger=wandb", *term, check, check=False)
     assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-3000:]
     assert "received SIGTERM" in proc.stdout + proc.stderr
     stopped = torch.load(tmp_path / "outputs/term/checkpoints/last.pt", weights_only=True)
     assert stopped["progress"]["step"] == 8
-    launch(tmp_path, "term", check)
+    launch(tmp_path, "term", "logger=wandb", check)
     assert_identical(reference["off"], final_model(tmp_path, "term"))
     # The resumed run continued the same W&B runs (same ids), one file per start.
     runs = find_runs(tmp_path / "outputs/term")

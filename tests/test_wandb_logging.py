@@ -166,7 +166,8 @@ def test_logger_none_writes_jsonl_only(tmp_path: Path) -> None:
 
 
 def test_multirun_jobs_are_separate_groups(tmp_path: Path) -> None:
-    run(train_cmd(tmp_path, "-m", "dist.nproc=2", "seed=0,1", "epochs=1", "max_steps_per_epoch=2"))
+    overrides = ["logger=wandb", "dist.nproc=2", "seed=0,1", "epochs=1", "max_steps_per_epoch=2"]
+    run(train_cmd(tmp_path, "-m", *overrides))
     (sweep,) = run_dirs(tmp_path, "multirun")
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
     assert [j.name for j in jobs] == ["0", "1"]
