@@ -8,7 +8,9 @@ that the main script imports: the modules are named instead.
 
 from __future__ import annotations
 
+import pickle
 import sys
+from typing import Any
 
 PACKAGES = (__name__.split(".")[0], "hydra", "omegaconf")  # what train.py imports, but torch
 
@@ -18,3 +20,31 @@ def loaded_modules(*first: str) -> list[str]:
     names: another thread may be importing)."""
     ours = sorted(name for name in list(sys.modules) if name.split(".")[0] in PACKAGES)
     return [*first, *(name for name in ours if name not in first)]
+
+
+def modules_of(obj: Any) -> list[str]:
+    """The modules a process must import to unpickle ``obj`` (a loader worker its dataset:
+    torchvision's transforms, a forker's own module), found by pickling it once without its
+    tensor and array data."""
+    import numpy as np
+    import torch
+
+    found: set[str] = set()
+
+    class _Collect(pickle.Pickler):
+        def reducer_override(self, value: Any) -> Any:
+            kind = value if isinstance(value, type) else type(value)
+            found.add(getattr(value, "__module__", None) or kind.__module__)
+            if isinstance(value, torch.Tensor | np.ndarray):
+                return int, ()  # the module is known; the data would only be copied
+            return NotImplemented
+
+    class _Discard:
+        def write(self, chunk: bytes) -> int:
+            return len(chunk)
+
+    try:
+        _Collect(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    except Exception:  # not picklable as is: the worker's own start will say so
+        return []
+    return sorted(m for m in found if isinstance(m, str) and m in sys.modules)

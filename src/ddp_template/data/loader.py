@@ -32,7 +32,7 @@ from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShardSampler
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
-from ddp_template.preload import loaded_modules
+from ddp_template.preload import loaded_modules, modules_of
 
 
 def init_worker(worker_id: int, rank_pid: int) -> None:
@@ -78,7 +78,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _worker_start_method() -> str:
+def _worker_start_method(dataset: Dataset) -> str:
     """forkserver, not fork: a rank has gloo/NCCL, OpenMP and loader threads running, and
     forking a threaded process can deadlock the child inside ``fork()`` (seen here: an eval
     loader's worker hung at epoch 0 while the train loader's feeder threads ran)."""
@@ -86,14 +86,14 @@ def _worker_start_method() -> str:
         return "spawn"
     # The server imports these once; each worker is then a fork of it instead of a fresh
     # interpreter importing torch (~1.5 s per worker, 8 workers for 2 ranks' two loaders).
-    mp.set_forkserver_preload(loaded_modules("torch", "numpy"))
+    mp.set_forkserver_preload(loaded_modules("torch", "numpy", *modules_of(dataset)))
     # Started now, the server's imports overlap building the model, DDP and W&B instead of
     # delaying the first batch.
     forkserver.ensure_running()
     return "forkserver"
 
 
-def _loader_kwargs(cfg: LoaderConfig, device: torch.device) -> dict[str, Any]:
+def _loader_kwargs(cfg: LoaderConfig, device: torch.device, dataset: Dataset) -> dict[str, Any]:
     pin = cfg.pin_memory and device.type == "cuda"
     kwargs: dict[str, Any] = {
         "num_workers": cfg.num_workers,
@@ -105,7 +105,7 @@ def _loader_kwargs(cfg: LoaderConfig, device: torch.device) -> dict[str, Any]:
             worker_init_fn=functools.partial(init_worker, rank_pid=os.getpid()),
             persistent_workers=cfg.persistent_workers,  # one start per loader and run
             prefetch_factor=4,
-            multiprocessing_context=_worker_start_method(),
+            multiprocessing_context=_worker_start_method(dataset),
         )
     return kwargs
 
@@ -149,7 +149,7 @@ def build_train_loader(
         sampler=sampler,
         drop_last=drop_last,
         generator=generator,
-        **_loader_kwargs(cfg, info.device),
+        **_loader_kwargs(cfg, info.device, dataset),
     )
 
 
@@ -160,7 +160,7 @@ def build_eval_loader(dataset: Dataset, cfg: LoaderConfig, info: DistInfo) -> Da
         BatchFetch(dataset),
         batch_size=cfg.eval_batch_size,
         sampler=sampler,
-        **_loader_kwargs(cfg, info.device),
+        **_loader_kwargs(cfg, info.device, dataset),
     )
 
 
