@@ -120,14 +120,18 @@ def test_channels_last_without_convolutions_is_one_sentence() -> None:
 def test_pin_memory_and_persistent_workers_reach_the_loader(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(loader, "_worker_start_method", lambda: "spawn")  # no fork server here
+    monkeypatch.setattr(loader, "_worker_start_method", lambda _: "spawn")  # no fork server here
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert loader._loader_kwargs(LoaderConfig(num_workers=2), cuda)["pin_memory"] is True
-    assert loader._loader_kwargs(LoaderConfig(num_workers=2), cpu)["pin_memory"] is False
-    assert loader._loader_kwargs(LoaderConfig(pin_memory=False), cuda)["pin_memory"] is False
-    assert loader._loader_kwargs(LoaderConfig(num_workers=2), cpu)["persistent_workers"] is True
+
+    def kwargs(cfg: LoaderConfig, device: torch.device) -> dict:
+        return loader._loader_kwargs(cfg, device, dataset=None)
+
+    assert kwargs(LoaderConfig(num_workers=2), cuda)["pin_memory"] is True
+    assert kwargs(LoaderConfig(num_workers=2), cpu)["pin_memory"] is False
+    assert kwargs(LoaderConfig(pin_memory=False), cuda)["pin_memory"] is False
+    assert kwargs(LoaderConfig(num_workers=2), cpu)["persistent_workers"] is True
     off = LoaderConfig(num_workers=2, persistent_workers=False)
-    assert loader._loader_kwargs(off, cpu)["persistent_workers"] is False
+    assert kwargs(off, cpu)["persistent_workers"] is False
 
 
 @pytest.mark.parametrize("fused,host_reads", [(True, 0), (False, 1)])
