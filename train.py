@@ -81,7 +81,9 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     """Data (+augmentation) → sampler → loaders → model (+SyncBN) → switches (EMA) → DDP →
     compile → optimizer → evaluation."""
     splits = apply_transforms(build_splits(cfg.data), cfg.transforms, cfg.seed)
-    sampler = build_train_sampler(splits.train, cfg.sampler, seed=cfg.seed, info=info)
+    sampler = build_train_sampler(
+        splits.train, cfg.sampler, seed=cfg.seed, info=info, loader=cfg.loader
+    )
     loader = build_train_loader(
         splits.train,
         sampler,

@@ -173,6 +173,14 @@ def steps_this_epoch(tr: Trainer, state: TrainState) -> int:
     return tr.schedule.steps_per_epoch - tr.schedule.steps_done(state.position)
 
 
+def new_tally(tr: Trainer, position: int) -> IndexTally:
+    """This epoch's tally; per loader worker where the sampler deals them ranges (sharded
+    data's plan: ``worker_lanes``)."""
+    lanes = getattr(tr.sampler, "worker_lanes", None)
+    workers, first = lanes(position) if lanes is not None else (1, 0)
+    return IndexTally(keep=tr.keep_indices, workers=workers, first_worker=first)
+
+
 def train_one_epoch(
     tr: Trainer,
     state: TrainState,
@@ -181,7 +189,7 @@ def train_one_epoch(
 ) -> EpochStats:
     """One pass over this rank's shard from ``state.position``; updates ``state`` in place."""
     tr.model.train()
-    stats = EpochStats(IndexTally(keep=tr.keep_indices))
+    stats = EpochStats(new_tally(tr, state.position))
     if steps_this_epoch(tr, state) == 0:
         return stats
     loss_acc = torch.zeros((), device=tr.info.device)  # sum of loss x batch size

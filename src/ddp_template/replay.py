@@ -68,7 +68,10 @@ class Run:
             device=torch.device("cpu"),
             host="replay",
         )
-        return build_train_sampler(self.train, self.cfg.sampler, seed=self.cfg.seed, info=info)
+        cfg = self.cfg
+        return build_train_sampler(
+            self.train, cfg.sampler, seed=cfg.seed, info=info, loader=cfg.loader
+        )
 
 
 def load_run(run_dir: Path, world_size: int | None = None) -> Run:
