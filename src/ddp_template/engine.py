@@ -38,6 +38,9 @@ class TrainState:
     epoch: int = 0
     step: int = 0  # optimizer steps since the start of the run
     position: int = 0  # positions of the current epoch stepped through (alike on every rank)
+    tally: IndexTally | None = None  # this launch's tally of the current epoch (the ledger part)
+    # The ledger of the current epoch's part read before a resume (from the checkpoint).
+    carried: dict[str, Any] | None = None
 
 
 @dataclass(kw_only=True)
@@ -190,6 +193,7 @@ def train_one_epoch(
     """One pass over this rank's shard from ``state.position``; updates ``state`` in place."""
     tr.model.train()
     stats = EpochStats(new_tally(tr, state.position))
+    state.tally = stats.tally
     if steps_this_epoch(tr, state) == 0:
         return stats
     loss_acc = torch.zeros((), device=tr.info.device)  # sum of loss x batch size

@@ -8,10 +8,13 @@ exactly the samples its sampler mode defines.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ddp_template.data.splitmix import splitmix64
+
+_M64 = 2**64 - 1
 
 
 def fingerprint_sum(indices: np.ndarray) -> int:
@@ -106,3 +109,17 @@ class IndexTally:
     def indices(self) -> np.ndarray:
         self._fold()
         return np.concatenate(self.kept) if self.kept else np.zeros(0, dtype=np.int64)
+
+
+def join_ledgers(before: dict[str, Any] | None, tally: IndexTally) -> dict[str, Any]:
+    """``tally``'s counts and fingerprints (per worker too), plus ``before``'s: the ledger of
+    an epoch read partly before a resume (``before``, from the checkpoint) and partly after."""
+    workers = [[n, fp] for n, fp in zip(tally.worker_samples, tally.worker_fps, strict=True)]
+    joined = {"samples": tally.samples, "fingerprint": tally.fp, "workers": workers}
+    if before:
+        joined["samples"] += before["samples"]
+        joined["fingerprint"] = (joined["fingerprint"] + before["fingerprint"]) & _M64
+        for mine, earlier in zip(workers, before["workers"], strict=True):
+            mine[0] += earlier[0]
+            mine[1] = (mine[1] + earlier[1]) & _M64
+    return joined

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ddp_template.data.accounting import fingerprint_hex, fingerprint_sum
+from ddp_template.data.accounting import fingerprint_hex, fingerprint_sum, join_ledgers
 from ddp_template.data.splitmix import splitmix64
 from ddp_template.distributed import DistInfo, gather_objects
 
@@ -26,8 +26,12 @@ _M64 = 2**64 - 1
 DEFINITION_PROBES = 64  # slots of the epoch hashed into a rank's definition digest
 
 
-def epoch_metrics(stats: Any, sampler: Any, start: int, epoch: int) -> dict[str, Any]:
-    """This rank's ``data/*`` and ``perf/*`` numbers for one epoch that began at ``start``."""
+def epoch_metrics(
+    stats: Any, sampler: Any, start: int, epoch: int, carried: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """This rank's ``data/*`` and ``perf/*`` numbers for one epoch that began at ``start``;
+    an epoch resumed mid-way with ``carried`` (the ledger read before the resume) also gets
+    ``data/epoch_*``: the whole epoch's, both launches joined."""
     tally = stats.tally
     end = start + tally.samples
     duplicates = sampler.padding_in_prefix(end) - sampler.padding_in_prefix(start)
@@ -36,6 +40,13 @@ def epoch_metrics(stats: Any, sampler: Any, start: int, epoch: int) -> dict[str,
         for k, (n, fp) in enumerate(zip(tally.worker_samples, tally.worker_fps, strict=True)):
             per_worker[f"data/worker{k}/samples"] = n
             per_worker[f"data/worker{k}/fingerprint"] = fingerprint_hex(fp)
+    if carried and carried["epoch"] == epoch:
+        joined = join_ledgers(carried, tally)
+        per_worker["data/epoch_samples"] = joined["samples"]
+        per_worker["data/epoch_fingerprint"] = fingerprint_hex(joined["fingerprint"])
+        for k, (n, fp) in enumerate(joined["workers"] if tally.workers > 1 else []):
+            per_worker[f"data/worker{k}/epoch_samples"] = n
+            per_worker[f"data/worker{k}/epoch_fingerprint"] = fingerprint_hex(fp)
     return {
         "epoch": epoch,
         **stats.as_metrics(duplicates),
