@@ -106,7 +106,9 @@ def test_the_plan_deals_every_sample_once_in_disjoint_contiguous_worker_ranges(m
         lengths = [s.num_samples for s in ss]
         assert max(lengths) - min(lengths) <= (1 if mode == "exact" else 0)
         ranges = sorted(s.worker_slots(r, k, 0) for r, s in enumerate(ss) for k in range(K))
-        assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert ranges[0][0] == 0 and all(
+            a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)
+        )
         assert ranges[-1][1] == ss[0].total_size  # contiguous, disjoint, all the epoch's slots
         read = np.concatenate([s.index_at(np.arange(s.num_samples), r) for r, s in enumerate(ss)])
         counts = np.bincount(read, minlength=N)
