@@ -12,6 +12,7 @@ fork-started launch shows a mutation ends in a loud SHARD MISMATCH, not a hang.
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
 from pathlib import Path
@@ -334,6 +335,17 @@ def test_uneven_shards_on_2_ranks_x_2_workers_every_sample_once_equal_steps(refe
         assert sum(book[e, r, k][0] for r in range(W) for k in range(K)) == N + 1
     log = (reference / "train.log").read_text()
     assert "pads: " in log and "rank 1 worker 1:" in log
+
+
+def test_replay_names_each_step_s_samples_by_key(reference, capsys) -> None:
+    from ddp_template import replay
+
+    assert replay.main([str(reference), "--step", str(STEPS_PER_EPOCH + 2), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    s = samplers(block=4)[1]
+    s.set_epoch(1)
+    assert rows[1]["indices"] == s.index_at(np.arange(B, 2 * B), 1).tolist()
+    assert rows[1]["keys"] == [f"{i:08d}" for i in rows[1]["indices"]]
 
 
 def test_kill_9_mid_epoch_resumes_bit_identical_with_the_same_ledger(

@@ -157,7 +157,10 @@ def step_rows(run: Run, step: int) -> list[dict[str, Any]]:
         positions = batch.positions[: run.schedule.held(rank, batch.start, batch.stop)]
         indices = sampler.index_at(positions, rank)  # `exact`: a shorter list may end here
         row = {"step": step, "rank": rank, "epoch": batch.epoch, "position": batch.start}
-        rows.append(row | {"indices": indices.tolist()})
+        row["indices"] = indices.tolist()
+        if hasattr(run.train, "key_of"):  # sharded data: each sample's __key__ too
+            row["keys"] = [run.train.key_of(i) for i in row["indices"]]
+        rows.append(row)
     return rows
 
 
