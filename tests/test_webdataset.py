@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sys
 import tarfile
 from pathlib import Path
 
@@ -245,15 +246,22 @@ def test_bad_shards_are_refused_in_one_sentence(tmp_path) -> None:
         ShardIndex.of("test_urls", str(bad))
 
 
-def test_digits_written_to_shards_are_the_digits(tmp_path) -> None:
-    from ddp_template.data.builtin import digits
+@pytest.fixture(scope="module")
+def digit_shards(tmp_path_factory) -> Path:
     from ddp_template.data.shards import main
 
-    args = ["--from", "data=digits", "--out", str(tmp_path), "--samples-per-shard", "500"]
+    out = tmp_path_factory.mktemp("digits")
+    args = ["--from", "data=digits", "--out", str(out), "--samples-per-shard", "500"]
     assert main(["write", *args]) == 0
+    return out
+
+
+def test_digits_written_to_shards_are_the_digits(digit_shards) -> None:
+    from ddp_template.data.builtin import digits
+
     splits = webdataset(
-        train_urls=str(tmp_path / "train-{000000..000002}.tar"),
-        test_urls=str(tmp_path / "test-000000.tar"),
+        train_urls=str(digit_shards / "train-{000000..000002}.tar"),
+        test_urls=str(digit_shards / "test-000000.tar"),
     )
     want = digits()
     assert len(splits.train) == len(want.train) and len(splits.test) == len(want.test)
@@ -261,6 +269,42 @@ def test_digits_written_to_shards_are_the_digits(tmp_path) -> None:
     for i in (0, 700, len(want.train) - 1):
         x, y, _ = splits.train[i]
         assert torch.equal(x, want.train[i][0]) and y == want.train[i][1]
+
+
+# One rank (a gloo group of 1, no loader workers) trains twice in one interpreter: data=digits,
+# then the same digits from shards with data=webdataset; prints both accuracies.
+TWICE = """
+import json, os, runpy, socket, sys
+from pathlib import Path
+from hydra import compose, initialize_config_dir
+root, out, shards = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+train = runpy.run_path(str(root / "train.py"))["train"]  # not its __main__
+from ddp_template import boundary
+from ddp_template.run_identity import RunInfo
+os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                  LOCAL_WORLD_SIZE="1")
+sharded = ["data=webdataset", f"data.train_urls='{shards}/train-{{000000..000002}}.tar'",
+           f"data.test_urls='{shards}/test-000000.tar'"]
+accuracy = {}
+for name, data in (("digits", ["data=digits"]), ("webdataset", sharded)):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
+        overrides = ["logger=none", "epochs=2", "backend=gloo", *data]
+        cfg = boundary.typed(compose(config_name="config", overrides=overrides))
+    accuracy[name] = train(cfg, RunInfo(run_id=name, run_dir=out / name))
+print(json.dumps(accuracy))
+"""
+
+
+def test_digits_from_shards_train_to_the_accuracy_of_digits(digit_shards, tmp_path) -> None:
+    """Same seed, same model and steps; only the data order differs (the plan vs randperm)."""
+    cmd = [sys.executable, "-c", TWICE, str(ROOT), str(tmp_path), str(digit_shards)]
+    proc = run(cmd, timeout=240, leftovers=10)
+    accuracy = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert accuracy["digits"] > 0.95, accuracy  # it learned
+    assert abs(accuracy["webdataset"] - accuracy["digits"]) <= 0.01, accuracy
 
 
 # ----------------------------------------------------------------------------- real runs
@@ -361,7 +405,12 @@ def test_kill_9_mid_epoch_resumes_bit_identical_with_the_same_ledger(
     a = torch.load(reference / "checkpoints" / "last.pt", weights_only=True)["model"]
     b = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert ledger(run_dir) == ledger(reference)  # the interrupted epoch joined across launches
+    resumed = [
+        row for row in jsonl(run_dir / "rank0" / "metrics.jsonl") if "data/epoch_samples" in row
+    ]
+    assert [(r["epoch"], r["data/epoch_samples"]) for r in resumed] == [(1, 31)]
+    assert resumed[0]["data/samples"] < 31  # this launch read only the epoch's rest...
+    assert ledger(run_dir) == ledger(reference)  # ...and joined, the ledger is the reference's
 
 
 def test_a_node_split_removed_in_a_real_run_is_a_loud_mismatch_not_a_hang(shards, tmp_path) -> None:
