@@ -15,8 +15,9 @@ shards of 256) is read by 2 ranks x 2 loader workers, batch 64, in three variant
 * ``template (A/A)``: the template's loader again: the noise floor of a ratio.
 
 A rank is a process of its own (both ranks run at once, as in training; no process group is
-needed to read), timed from the epoch's iterator to its last batch after one warm-up epoch
-(persistent workers started); images/s is the epoch's images over the slower rank's time.
+needed to read), timed from each epoch's iterator to its last batch over 3 epochs after one
+warm-up epoch (persistent workers started); images/s is the epochs' images over the slower
+rank's time.
 Rounds are paired and interleaved (the variants' order rotates each round), and every ratio is
 taken within a round, so the machine's drifts in load hit every variant alike.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import tempfile
@@ -36,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 RANKS, WORKERS, BATCH = 2, 2, 64
+EPOCHS = 3  # timed epochs per measurement, after one warm-up epoch
 VARIANTS = ("template", "webdataset", "template (A/A)")
 
 
@@ -73,7 +76,7 @@ def template_epoch_s(pattern: str, rank: int) -> float:
     sampler = build_train_sampler(data, SamplerConfig(), seed=0, info=info, loader=cfg)
     loader = build_train_loader(data, sampler, cfg, seed=0, drop_last=False, info=info)
     times = []
-    for epoch in range(2):
+    for epoch in range(1 + EPOCHS):
         sampler.set_epoch(epoch)
         start = time.perf_counter()
         stats = EpochStats(IndexTally(workers=sampler.workers), steps=1)  # per worker
@@ -82,14 +85,19 @@ def template_epoch_s(pattern: str, rank: int) -> float:
         metrics = epoch_metrics(stats, sampler, 0, epoch)
         own_check(stats, sampler, 0, metrics, rank=rank)
         times.append(time.perf_counter() - start)
-    return times[-1]
+    return sum(times[1:])
+
+
+def _decoded(sample: dict) -> tuple:
+    """A WebDataset sample as the template decodes it (the same function, the same work)."""
+    from ddp_template.data.sharded import decode
+
+    return decode("png", sample["png"]), int(sample["cls"]), sample["__key__"]
 
 
 def webdataset_epoch_s(pattern: str, rank: int) -> float:
     import webdataset as wds
     from torch.utils.data import DataLoader
-
-    from ddp_template.data.sharded import decode
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(RANKS))
     dataset = (
@@ -101,7 +109,7 @@ def webdataset_epoch_s(pattern: str, rank: int) -> float:
             empty_check=False,
         )
         .shuffle(1000)
-        .map(lambda s: (decode("png", s["png"]), int(s["cls"]), s["__key__"]))
+        .map(_decoded)
     )
     loader = DataLoader(
         dataset,
@@ -112,12 +120,12 @@ def webdataset_epoch_s(pattern: str, rank: int) -> float:
         multiprocessing_context="forkserver",
     )
     times = []
-    for _ in range(2):
+    for _ in range(1 + EPOCHS):
         start = time.perf_counter()
         for _batch in loader:
             pass
         times.append(time.perf_counter() - start)
-    return times[-1]
+    return sum(times[1:])
 
 
 def _rank(variant: str, pattern: str, rank: int, out: mp.Queue) -> None:
@@ -132,10 +140,16 @@ def measure(variant: str, pattern: str, samples: int) -> float:
     procs = [ctx.Process(target=_rank, args=(variant, pattern, r, out)) for r in range(RANKS)]
     for p in procs:
         p.start()
-    seconds = [out.get()[1] for _ in procs]
+    seconds = []
+    while len(seconds) < len(procs):
+        try:
+            seconds.append(out.get(timeout=5)[1])
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError(f"a {variant} rank failed (its traceback is above)") from None
     for p in procs:
         p.join()
-    return samples / max(seconds)
+    return EPOCHS * samples / max(seconds)
 
 
 def main() -> None:
