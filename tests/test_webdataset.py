@@ -379,6 +379,7 @@ def test_uneven_shards_on_2_ranks_x_2_workers_every_sample_once_equal_steps(refe
         assert sum(book[e, r, k][0] for r in range(W) for k in range(K)) == N + 1
     log = (reference / "train.log").read_text()
     assert "pads: " in log and "rank 1 worker 1:" in log
+    assert (reference / "shards.png").is_file()  # the shard picture, drawn from the plan
 
 
 def test_replay_names_each_step_s_samples_by_key(reference, capsys) -> None:
