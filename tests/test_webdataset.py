@@ -59,17 +59,26 @@ def write_shards(folder: Path, sizes=SIZES, name: str = "train", classes: int = 
     return str(folder / f"{name}-{{000000..{len(sizes) - 1:06d}}}.tar")
 
 
-def samplers(mode: str = "padded", seed: int = 0, block: int = 4) -> list[PlanSampler]:
+def samplers(
+    mode: str = "padded",
+    seed: int = 0,
+    block: int = 4,
+    world: int = W,
+    batch: int = B,
+    workers: int = K,
+) -> list[PlanSampler]:
     stream = Stream(sizes=SIZES, seed=seed, shuffle=mode != "sequential", block=block)
     return [
-        PlanSampler(stream, num_replicas=W, rank=r, mode=mode, batch_size=B, workers=K)
-        for r in range(W)
+        PlanSampler(
+            stream, num_replicas=world, rank=r, mode=mode, batch_size=batch, workers=workers
+        )
+        for r in range(world)
     ]
 
 
-def round_robin(per_worker: list[np.ndarray]) -> list[np.ndarray]:
+def round_robin(per_worker: list[np.ndarray], batch: int = B) -> list[np.ndarray]:
     """The batches a DataLoader hands out: one from each worker in turn, in worker order."""
-    batches = [[w[i : i + B] for i in range(0, len(w), B)] for w in per_worker]
+    batches = [[w[i : i + batch] for i in range(0, len(w), batch)] for w in per_worker]
     out = []
     while any(batches):
         out += [b.pop(0) for b in batches if b]
@@ -100,14 +109,22 @@ def planned(s: PlanSampler, r: int, w: int, start: int = 0, epoch: int | None = 
 
 # ----------------------------------------------------------------------------- the plan
 @pytest.mark.parametrize("mode", ["padded", "drop_last", "exact", "sequential"])
-def test_the_plan_deals_every_sample_once_in_disjoint_contiguous_worker_ranges(mode) -> None:
-    ss = samplers(mode)
+@pytest.mark.parametrize("world,batch,workers", [(2, 4, 2), (3, 3, 3), (2, 2, 4), (5, 5, 1)])
+def test_the_plan_deals_every_sample_once_in_disjoint_contiguous_worker_ranges(
+    mode, world, batch, workers
+) -> None:
+    ss = samplers(mode, world=world, batch=batch, workers=workers)
     for epoch in (0, 1):
         for s in ss:
             s.set_epoch(epoch)
+        order, blocks = ss[0].order(epoch), ss[0].stream.blocks(epoch)
+        for (shard, lo, n), at in zip(blocks, np.cumsum(blocks[:, 2]) - blocks[:, 2], strict=True):
+            first = sum(SIZES[:shard]) + lo  # a block: its shard's samples lo..lo+n-1, shuffled
+            assert sorted(order[at : at + n]) == list(range(first, first + n))
         lengths = [s.num_samples for s in ss]
         assert max(lengths) - min(lengths) <= (1 if mode == "exact" else 0)
-        ranges = sorted(s.worker_slots(r, k, 0) for r, s in enumerate(ss) for k in range(K))
+        ranges = sorted(s.worker_slots(r, k, 0) for r, s in enumerate(ss) for k in range(workers))
+        ranges = [r for r in ranges if r[0] < r[1]]
         assert ranges[0][0] == 0 and all(
             a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)
         )
@@ -117,13 +134,19 @@ def test_the_plan_deals_every_sample_once_in_disjoint_contiguous_worker_ranges(m
         tail = ss[0].tail_names()
         assert len(tail["pads"]) == (counts > 1).sum() == read.size - N + len(tail["drops"])
         assert sorted(int(k) for k in tail["drops"]) == np.flatnonzero(counts == 0).tolist()
-        # what the workers read, handed out round robin, is the rank's list from any batch on
         for r, s in enumerate(ss):
-            want = s.index_at(np.arange(s.num_samples), r)
-            for start in range(0, s.num_samples, B):
-                got = round_robin([planned(s, r, w, start) for w in range(K)])
+            positions = np.arange(s.num_samples)
+            slots = s.rule.slots(positions, r, s.epoch_length, world)
+            assert [a.tolist() for a in s.rule.owners(slots, s.epoch_length, world)] == [
+                [r] * len(positions),
+                positions.tolist(),
+            ]
+            # what the workers read, handed out round robin, is the rank's list from any batch
+            want = s.index_at(positions, r)
+            for start in range(0, s.num_samples, batch):
+                got = round_robin([planned(s, r, w, start) for w in range(workers)], batch)
                 assert np.array_equal(np.concatenate(got), want[start:])
-    assert not np.array_equal(samplers(mode)[0].order(0), samplers(mode)[0].order(1)) or (
+    assert not np.array_equal(ss[0].stream.order(0), ss[0].stream.order(1)) or (
         mode == "sequential"
     )
 
