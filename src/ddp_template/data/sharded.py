@@ -27,10 +27,14 @@ from ddp_template.data.shard_plan import DEFAULT_SHUFFLE_BLOCK, PlanSampler
 from ddp_template.errors import ConfigError
 
 
+OPEN_SHARDS = 16  # file handles a process keeps (the least recently opened is closed first)
+
+
 def decode(ext: str, raw: bytes) -> torch.Tensor:
-    """An input member as a float tensor: images (C, H, W) in [0, 1], .npy as stored."""
+    """An input member as a float32 tensor: images (C, H, W) in [0, 1], .npy's values as
+    stored (cast to float32)."""
     if ext == "npy":
-        return torch.from_numpy(np.load(io.BytesIO(raw), allow_pickle=False))
+        return torch.from_numpy(np.load(io.BytesIO(raw), allow_pickle=False)).to(torch.float32)
     from PIL import Image
 
     with Image.open(io.BytesIO(raw)) as image:
@@ -60,6 +64,8 @@ class ShardSamples(Dataset):
         if self._pid != os.getpid():  # a forked copy: its own handles
             self._files, self._pid = {}, os.getpid()
         if shard not in self._files:
+            if len(self._files) >= OPEN_SHARDS:  # a worker moves on through its shards
+                self._files.pop(next(iter(self._files))).close()
             self._files[shard] = open(self.index.paths[shard], "rb")  # noqa: SIM115
         return self._files[shard]
 
