@@ -26,7 +26,6 @@ from ddp_template.data.shard_index import ShardIndex
 from ddp_template.data.shard_plan import DEFAULT_SHUFFLE_BLOCK, PlanSampler
 from ddp_template.errors import ConfigError
 
-
 OPEN_SHARDS = 16  # file handles a process keeps (the least recently opened is closed first)
 
 
