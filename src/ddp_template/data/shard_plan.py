@@ -132,8 +132,9 @@ class PlanSampler(ShardSampler):
     """One rank's view of the epoch plan, with ``ShardSampler``'s interface (positions, index
     arithmetic, padding, state): what the loader's workers read, and what the checks expect.
 
-    It yields nothing itself: the rank's DataLoader reads an iterable dataset whose workers
-    ask it for their ranges (:meth:`worker_indices`). ``set_epoch`` and a resumed position
+    The training DataLoader does not iterate it (iterating yields the rank's list, as any
+    ShardSampler): it reads an iterable dataset whose workers ask it for their ranges
+    (:meth:`worker_indices`). ``set_epoch`` and a resumed position
     reach persistent workers through a shared tensor.
     """
 
