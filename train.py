@@ -60,7 +60,7 @@ from ddp_template.optim import build_optimizer, build_scheduler
 from ddp_template.parallel import build_ddp, compile_model
 from ddp_template.preemption import Preemption
 from ddp_template.profiling import StepProfiler
-from ddp_template.progress import Progress, SamplerPosition
+from ddp_template.progress import Ledger, Progress, SamplerPosition
 from ddp_template.rng import RngState
 from ddp_template.selection import Selection, build_selection
 from ddp_template.shard_plot import draw_shards_async
@@ -82,7 +82,9 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     """Data (+augmentation) → sampler → loaders → model (+SyncBN) → switches (EMA) → DDP →
     compile → optimizer → evaluation."""
     splits = apply_transforms(build_splits(cfg.data), cfg.transforms, cfg.seed)
-    sampler = build_train_sampler(splits.train, cfg.sampler, seed=cfg.seed, info=info)
+    sampler = build_train_sampler(
+        splits.train, cfg.sampler, seed=cfg.seed, info=info, loader=cfg.loader
+    )
     loader = build_train_loader(
         splits.train,
         sampler,
@@ -158,7 +160,11 @@ def checkpointer(
         directory=run_dir / "checkpoints",
         cfg=cfg.checkpoint,
         parts=parts,
-        rank_parts={"sampler": SamplerPosition(sampler=tr.sampler, state=state), "rng": RngState()},
+        rank_parts={
+            "sampler": SamplerPosition(sampler=tr.sampler, state=state),
+            "rng": RngState(),
+            "ledger": Ledger(state=state),
+        },
         config_yaml=yaml,
         info=tr.info,
     )
@@ -195,7 +201,7 @@ def fit(
             logger.start_epoch(epoch, steps_this_epoch(tr, state))
             stats = train_one_epoch(tr, state, on_step, logger.log_interval)
             logger.end_epoch()
-            account(stats, tr, start, epoch, state.step, logger)
+            account(stats, tr, state, start, logger)
             if stats.stopped:
                 preempt.stop(state.step, ckpt.last)  # checkpointed: a requeue continues
             metrics = built.evaluation.epoch(epoch, state.step, logger)
@@ -222,10 +228,12 @@ def set_epoch(cfg: Config, built: Built, epoch: int) -> None:
 
 
 def account(
-    stats: EpochStats, tr: Trainer, start: int, epoch: int, step: int, logger: RankLogger
+    stats: EpochStats, tr: Trainer, state: TrainState, start: int, logger: RankLogger
 ) -> None:
-    """Log this rank's epoch and check every rank's data against the sampler mode."""
-    metrics = epoch_metrics(stats, tr.sampler, start, epoch)
+    """Log this rank's epoch (joined with the part read before a resume) and check every
+    rank's data against the sampler mode."""
+    epoch, step = state.epoch, state.step
+    metrics = epoch_metrics(stats, tr.sampler, start, epoch, carried=state.carried)
     logger.log_epoch(metrics, step)  # a collective with one W&B run
     report = verify_epoch(stats, tr.sampler, start, metrics, tr.info)  # a collective
     if report is not None:

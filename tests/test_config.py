@@ -23,7 +23,7 @@ GROUPS = {
     "syncbn": ["off", "on"],
     "amp": ["off", "bf16", "fp16"],
     "model": ["small_cnn", "resnet18", "torchvision"],
-    "data": ["digits", "synthetic", "cifar10", "mnist", "imagefolder", "array"],
+    "data": ["digits", "synthetic", "cifar10", "mnist", "imagefolder", "array", "webdataset"],
     "optim": ["sgd", "adamw"],
     "logger": ["wandb", "none"],
 }

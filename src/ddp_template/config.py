@@ -51,6 +51,7 @@ from ddp_template.options import (
     TorchvisionDataConfig,
     TorchvisionModelConfig,
     TransformsConfig,
+    WebDatasetConfig,
 )
 
 
@@ -261,6 +262,7 @@ def register_configs() -> None:
             "torchvision_schema": TorchvisionDataConfig,
             "imagefolder_schema": ImageFolderConfig,
             "array_schema": ArrayConfig,
+            "webdataset_schema": WebDatasetConfig,
         },
     }
     for group, schemas in groups.items():

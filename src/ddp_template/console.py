@@ -45,6 +45,14 @@ def report_lines(report: dict[str, Any], epoch: int) -> list[str]:
         f"fingerprint {r['fingerprint']}{'' if r['matches'] else '  <-- MISMATCH'}"
         for r in report["ranks"]
     ]
+    lines += [
+        f"    rank {w['rank']} worker {w['worker']}: {w['samples']} samples, "
+        f"fingerprint {w['fingerprint']}{'' if w['matches'] else '  <-- MISMATCH'}"
+        for w in report.get("workers", [])
+    ]
+    for tail in ("pads", "drops"):
+        if report.get(tail):
+            lines.append(f"  {tail}: {', '.join(report[tail][:20])}")
     if "coverage" in report:
         lines.append(
             f"  coverage {report['coverage']:.4f} ({report['covered']} unique), "

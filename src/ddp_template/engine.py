@@ -38,6 +38,9 @@ class TrainState:
     epoch: int = 0
     step: int = 0  # optimizer steps since the start of the run
     position: int = 0  # positions of the current epoch stepped through (alike on every rank)
+    tally: IndexTally | None = None  # this launch's tally of the current epoch (the ledger part)
+    # The ledger of the current epoch's part read before a resume (from the checkpoint).
+    carried: dict[str, Any] | None = None
 
 
 @dataclass(kw_only=True)
@@ -173,6 +176,14 @@ def steps_this_epoch(tr: Trainer, state: TrainState) -> int:
     return tr.schedule.steps_per_epoch - tr.schedule.steps_done(state.position)
 
 
+def new_tally(tr: Trainer, position: int) -> IndexTally:
+    """This epoch's tally; per loader worker where the sampler deals them ranges (sharded
+    data's plan: ``worker_lanes``)."""
+    lanes = getattr(tr.sampler, "worker_lanes", None)
+    workers, first = lanes(position) if lanes is not None else (1, 0)
+    return IndexTally(keep=tr.keep_indices, workers=workers, first_worker=first)
+
+
 def train_one_epoch(
     tr: Trainer,
     state: TrainState,
@@ -181,7 +192,8 @@ def train_one_epoch(
 ) -> EpochStats:
     """One pass over this rank's shard from ``state.position``; updates ``state`` in place."""
     tr.model.train()
-    stats = EpochStats(IndexTally(keep=tr.keep_indices))
+    stats = EpochStats(new_tally(tr, state.position))
+    state.tally = stats.tally
     if steps_this_epoch(tr, state) == 0:
         return stats
     loss_acc = torch.zeros((), device=tr.info.device)  # sum of loss x batch size

@@ -223,6 +223,8 @@ class RankLogger:
         if self._epoch_ranks is not None:  # one run: every rank's epoch numbers in its row
             rows = [{**row, **self._epoch_ranks[row["rank"]]} for row in rows]
         self.log_table("shards/report", rows, step)
+        if report.get("workers"):  # sharded data: every (rank, loader worker)
+            self.log_table("shards/workers", report["workers"], step)
         log.info("\n".join(report_lines(report, epoch)))
         if report["verdict"] != "ok":
             log.warning(

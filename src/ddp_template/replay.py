@@ -68,7 +68,10 @@ class Run:
             device=torch.device("cpu"),
             host="replay",
         )
-        return build_train_sampler(self.train, self.cfg.sampler, seed=self.cfg.seed, info=info)
+        cfg = self.cfg
+        return build_train_sampler(
+            self.train, cfg.sampler, seed=cfg.seed, info=info, loader=cfg.loader
+        )
 
 
 def load_run(run_dir: Path, world_size: int | None = None) -> Run:
@@ -154,7 +157,10 @@ def step_rows(run: Run, step: int) -> list[dict[str, Any]]:
         positions = batch.positions[: run.schedule.held(rank, batch.start, batch.stop)]
         indices = sampler.index_at(positions, rank)  # `exact`: a shorter list may end here
         row = {"step": step, "rank": rank, "epoch": batch.epoch, "position": batch.start}
-        rows.append(row | {"indices": indices.tolist()})
+        row["indices"] = indices.tolist()
+        if hasattr(run.train, "key_of"):  # sharded data: each sample's __key__ too
+            row["keys"] = [run.train.key_of(i) for i in row["indices"]]
+        rows.append(row)
     return rows
 
 

@@ -30,6 +30,8 @@ from ddp_template.data.contract import BatchFetch, collate
 from ddp_template.data.eval_sampler import EvalShardSampler
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShardSampler
+from ddp_template.data.shard_plan import PlanSampler, Stream
+from ddp_template.data.sharded import PlanReader, is_sharded
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
 from ddp_template.preload import loaded_modules, modules_of
@@ -111,21 +113,46 @@ def _loader_kwargs(cfg: LoaderConfig, device: torch.device, dataset: Dataset) ->
 
 
 def build_train_sampler(
-    dataset: Dataset, cfg: SamplerConfig, seed: int, info: DistInfo
+    dataset: Dataset,
+    cfg: SamplerConfig,
+    seed: int,
+    info: DistInfo,
+    loader: LoaderConfig | None = None,
 ) -> ShardSampler:
-    """The ``sampler`` group's builder; the run's ``seed`` unless ``sampler.seed`` is set."""
+    """The ``sampler`` group's builder; the run's ``seed`` unless ``sampler.seed`` is set.
+    Sharded data (``data=webdataset``) gets the epoch plan of ``loader``'s batches and
+    workers (``PlanSampler``)."""
     if SAMPLER_MODES[str(cfg.mode)].drops_tail and info.world_size > len(dataset):
         raise ConfigError(
             f"sampler={cfg.mode} with {info.world_size} ranks and only {len(dataset)} training "
             f"samples leaves every rank empty (floor({len(dataset)}/{info.world_size}) = 0); use "
             f"sampler=padded or fewer ranks."
         )
+    seed = seed if cfg.seed is None else cfg.seed
+    if is_sharded(dataset):
+        if loader is None:
+            raise ValueError("sharded data needs the loader config: its plan deals batches")
+        stream = Stream(
+            sizes=tuple(int(n) for n in dataset.index.sizes),
+            seed=seed,
+            shuffle=cfg.shuffle,
+            block=dataset.shuffle_block,
+        )
+        return PlanSampler(
+            stream,
+            num_replicas=info.world_size,
+            rank=info.rank,
+            mode=str(cfg.mode),
+            batch_size=loader.batch_size,
+            workers=loader.num_workers,
+            keys=dataset.index.keys,
+        )
     return ShardSampler(
         dataset,
         num_replicas=info.world_size,
         rank=info.rank,
         shuffle=cfg.shuffle,
-        seed=seed if cfg.seed is None else cfg.seed,
+        seed=seed,
         mode=str(cfg.mode),
         permutation=str(cfg.permutation),
     )
@@ -143,13 +170,17 @@ def build_train_loader(
     """The ``loader`` group's training loader; ``drop_last`` is ``sampler.drop_last_batch``."""
     generator = torch.Generator()
     generator.manual_seed(worker_seed(seed, info.rank, 0))
+    if isinstance(sampler, PlanSampler):  # the workers read the plan's ranges themselves
+        source, sampling = PlanReader(dataset, sampler), {}
+    else:
+        source, sampling = BatchFetch(dataset), {"sampler": sampler}
     return DataLoader(
-        BatchFetch(dataset),
+        source,
         batch_size=cfg.batch_size,
-        sampler=sampler,
         drop_last=drop_last,
         generator=generator,
-        **_loader_kwargs(cfg, info.device, dataset),
+        **sampling,
+        **_loader_kwargs(cfg, info.device, source),
     )
 
 

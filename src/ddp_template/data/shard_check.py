@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ddp_template.data.accounting import fingerprint_hex, fingerprint_sum
+from ddp_template.data.accounting import fingerprint_hex, fingerprint_sum, join_ledgers
 from ddp_template.data.splitmix import splitmix64
 from ddp_template.distributed import DistInfo, gather_objects
 
@@ -26,14 +26,32 @@ _M64 = 2**64 - 1
 DEFINITION_PROBES = 64  # slots of the epoch hashed into a rank's definition digest
 
 
-def epoch_metrics(stats: Any, sampler: Any, start: int, epoch: int) -> dict[str, Any]:
-    """This rank's ``data/*`` and ``perf/*`` numbers for one epoch that began at ``start``."""
-    end = start + stats.tally.samples
+def epoch_metrics(
+    stats: Any, sampler: Any, start: int, epoch: int, carried: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """This rank's ``data/*`` and ``perf/*`` numbers for one epoch that began at ``start``;
+    an epoch resumed mid-way with ``carried`` (the ledger read before the resume) also gets
+    ``data/epoch_*``: the whole epoch's, both launches joined."""
+    tally = stats.tally
+    end = start + tally.samples
     duplicates = sampler.padding_in_prefix(end) - sampler.padding_in_prefix(start)
+    per_worker = {}
+    if tally.workers > 1:  # the per-worker breakdown (sharded data's plan)
+        for k, (n, fp) in enumerate(zip(tally.worker_samples, tally.worker_fps, strict=True)):
+            per_worker[f"data/worker{k}/samples"] = n
+            per_worker[f"data/worker{k}/fingerprint"] = fingerprint_hex(fp)
+    if carried and carried["epoch"] == epoch:
+        joined = join_ledgers(carried, tally)
+        per_worker["data/epoch_samples"] = joined["samples"]
+        per_worker["data/epoch_fingerprint"] = fingerprint_hex(joined["fingerprint"])
+        for k, (n, fp) in enumerate(joined["workers"] if tally.workers > 1 else []):
+            per_worker[f"data/worker{k}/epoch_samples"] = n
+            per_worker[f"data/worker{k}/epoch_fingerprint"] = fingerprint_hex(fp)
     return {
         "epoch": epoch,
         **stats.as_metrics(duplicates),
-        "data/fingerprint": fingerprint_hex(stats.tally.fp),
+        "data/fingerprint": fingerprint_hex(tally.fp),
+        **per_worker,
     }
 
 
@@ -60,18 +78,25 @@ def own_check(
 ) -> dict[str, Any]:
     """This rank's row of the gather: what it saw, the fingerprint its own shard defines for
     that (O(samples) time, O(1) memory) and its sampler's definition of the epoch."""
-    samples = stats.tally.samples
+    tally = stats.tally
+    samples = tally.samples
     defined = max(0, min(samples, sampler.num_samples - start))  # more than its list never matches
-    return {
+    workers = tally.workers if hasattr(sampler, "worker_of") else 1
+    expected = expected_fingerprints(sampler, rank, start, defined, workers=workers)
+    row = {
         "samples": samples,
         "duplicates": metrics["data/duplicates"],
-        "fingerprint": stats.tally.fp,
-        "expected": expected_fingerprint(sampler, rank, start, defined),
+        "fingerprint": tally.fp,
+        "expected": sum(expected) & _M64,
         "definition": definition(sampler),
         "step_s": metrics["perf/step_s"],
         "start": start,
-        "kept": stats.tally.keep,
+        "kept": tally.keep,
     }
+    if workers > 1:  # each loader worker against its own range of the plan
+        seen = zip(tally.worker_samples, tally.worker_fps, expected, strict=True)
+        row["workers"] = [{"samples": n, "fingerprint": fp, "expected": e} for n, fp, e in seen]
+    return row
 
 
 def epoch_report(
@@ -93,6 +118,8 @@ def epoch_report(
     fastest = min(step_times)
     report["slowest_rank"] = slowest
     report["step_s_max_over_min"] = step_times[slowest] / fastest if fastest > 0 else float("nan")
+    if hasattr(sampler, "tail_names"):  # the epoch's pads and drops, by key
+        report.update(sampler.tail_names())
     return report
 
 
@@ -119,11 +146,22 @@ def expected_fingerprint(
 ) -> int:
     """Fingerprint of positions ``[start, start+count)`` of ``rank``'s list as the mode defines
     it, computed in blocks: O(count) time, O(block) memory, whatever N is."""
-    total = 0
+    return expected_fingerprints(sampler, rank, start, count, block=block)[0]
+
+
+def expected_fingerprints(
+    sampler: Any, rank: int, start: int, count: int, *, workers: int = 1, block: int = 1 << 18
+) -> list[int]:
+    """``expected_fingerprint`` per loader worker (``sampler.worker_of`` each position; one
+    worker: the rank's whole fingerprint)."""
+    totals = [0] * workers
     for lo in range(start, start + count, block):
         positions = np.arange(lo, min(lo + block, start + count), dtype=np.int64)
-        total = (total + fingerprint_sum(sampler.index_at(positions, rank))) & _M64
-    return total
+        indices = sampler.index_at(positions, rank)
+        owner = sampler.worker_of(positions) if workers > 1 else np.zeros_like(positions)
+        for k in range(workers):
+            totals[k] = (totals[k] + fingerprint_sum(indices[owner == k])) & _M64
+    return totals
 
 
 def definition(sampler: Any, probes: int = DEFINITION_PROBES) -> tuple[Any, ...]:
@@ -207,18 +245,46 @@ def shard_report(
                 "matches": ok,
             }
         )
+    workers = worker_rows(observed, expected)
+    problems += [
+        f"rank {w['rank']}'s loader worker {w['worker']} read samples outside its range of the plan"
+        for w in workers
+        if not w["matches"]
+    ]
     report: dict[str, Any] = {
         "mode": mode,
         "dataset_size": dataset_size,
         "ranks": rows,
         "total_samples": sum(row["samples"] for row in rows),
     }
+    if workers:
+        report["workers"] = workers
     if all("indices" in o for o in observed):
         report.update(_coverage(dataset_size, [o["indices"] for o in observed]))
     elif coverage is not None:
         report.update(coverage)
     report["verdict"] = "ok" if not problems else "MISMATCH: " + "; ".join(problems)
     return report
+
+
+def worker_rows(observed: list[dict[str, Any]], expected: list[int | None]) -> list[dict]:
+    """One row per (rank, loader worker) where the ranks' rows carry workers: its samples,
+    fingerprint and whether that is its range's (None where the rank's definition differs)."""
+    rows = []
+    for r, o in enumerate(observed):
+        for k, w in enumerate(o.get("workers", [])):
+            ok = expected[r] is not None and w["expected"] == w["fingerprint"]
+            fingerprint = fingerprint_hex(w["fingerprint"])
+            rows.append(
+                {
+                    "rank": r,
+                    "worker": k,
+                    "samples": int(w["samples"]),
+                    "fingerprint": fingerprint,
+                    "matches": ok,
+                }
+            )
+    return rows
 
 
 def _coverage(n: int, per_rank: list[np.ndarray]) -> dict[str, Any]:
