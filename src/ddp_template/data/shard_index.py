@@ -36,7 +36,15 @@ def expand_urls(key: str, pattern: str | None) -> list[Path]:
             f"data.{key}={pattern!r} names no shards; give them in WebDataset's brace "
             f"notation, e.g. {example}."
         )
-    paths = [Path(p) for p in braceexpand(str(pattern))]
+    pattern = str(pattern).removeprefix("file://").removeprefix("file:")
+    scheme = pattern.split(":", 1)[0] if ":" in pattern.split("/", 1)[0] else None
+    if scheme is not None:
+        raise ConfigError(
+            f"data.{key}={pattern} is a {scheme}: URL; sharded data is read from local files "
+            f"(each worker seeks to its range by the shard index), so copy or mount the shards "
+            f"and give their paths, e.g. {example}."
+        )
+    paths = [Path(p) for p in braceexpand(pattern)]
     for path in paths:
         if not path.is_file():
             raise ConfigError(
