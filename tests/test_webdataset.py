@@ -450,3 +450,37 @@ def test_a_node_split_removed_in_a_real_run_is_a_loud_mismatch_not_a_hang(shards
     out = proc.stdout + proc.stderr
     assert "SHARD MISMATCH in epoch 0" in out, out[-3000:]
     assert "rank 1 saw indices that differ" in out
+
+
+def test_augmented_shards_stream_by_the_plan_as_map_style_would_augment(tmp_path) -> None:
+    """transforms=cifar on sharded data: the plan still deals the stream (a PlanSampler, workers
+    reading their ranges), and each sample gets the augmentation of (seed, epoch, index), the
+    same tensor map-style reading of the same split gives."""
+    from helpers import cpu_rank
+
+    from ddp_template.choices import TransformName
+    from ddp_template.config import LoaderConfig, SamplerConfig
+    from ddp_template.data.loader import build_train_loader, build_train_sampler
+    from ddp_template.data.transforms import apply_transforms
+    from ddp_template.options import TransformsConfig
+
+    pattern = write_shards(tmp_path / "s")
+    splits = webdataset(train_urls=pattern, test_urls=pattern)
+    cifar = TransformsConfig(name=TransformName.cifar, padding=1)
+    augmented = apply_transforms(splits, cifar, seed=3).train
+    info, cfg = cpu_rank(0, 2), LoaderConfig(batch_size=B, num_workers=0)
+    sampler = build_train_sampler(augmented, SamplerConfig(), seed=3, info=info, loader=cfg)
+    assert isinstance(sampler, PlanSampler)
+    loader = build_train_loader(augmented, sampler, cfg, seed=3, drop_last=False, info=info)
+    assert isinstance(loader.dataset, PlanReader)
+    for epoch in (0, 1):
+        splits_epoch = apply_transforms(splits, cifar, seed=3)  # a fresh map-style reader
+        splits_epoch.set_epoch(epoch)
+        augmented.set_epoch(epoch)
+        sampler.set_epoch(epoch)
+        seen = [(x, i) for xs, _, idx in loader for x, i in zip(xs, idx.tolist(), strict=True)]
+        assert [i for _, i in seen] == planned(sampler, 0, 0, epoch=epoch).tolist()
+        for x, i in seen:
+            assert torch.equal(x, splits_epoch.train[i][0]), (epoch, i)
+        plain = [splits.train[i][0] for _, i in seen]
+        assert sum(not torch.equal(x, p) for (x, _), p in zip(seen, plain, strict=True)) > 0

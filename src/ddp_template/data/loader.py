@@ -31,7 +31,7 @@ from ddp_template.data.eval_sampler import EvalShardSampler
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShardSampler
 from ddp_template.data.shard_plan import PlanSampler, Stream
-from ddp_template.data.sharded import PlanReader, is_sharded
+from ddp_template.data.sharded import PlanReader, sharded_source
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
 from ddp_template.preload import loaded_modules, modules_of
@@ -129,14 +129,15 @@ def build_train_sampler(
             f"sampler=padded or fewer ranks."
         )
     seed = seed if cfg.seed is None else cfg.seed
-    if is_sharded(dataset):
+    if (source := sharded_source(dataset)) is not None:
         if loader is None:
             raise ValueError("sharded data needs the loader config: its plan deals batches")
+        samples, _ = source
         stream = Stream(
-            sizes=tuple(int(n) for n in dataset.index.sizes),
+            sizes=tuple(int(n) for n in samples.index.sizes),
             seed=seed,
             shuffle=cfg.shuffle,
-            block=dataset.shuffle_block,
+            block=samples.shuffle_block,
         )
         return PlanSampler(
             stream,
@@ -145,7 +146,7 @@ def build_train_sampler(
             mode=str(cfg.mode),
             batch_size=loader.batch_size,
             workers=loader.num_workers,
-            keys=dataset.index.keys,
+            keys=samples.index.keys,
         )
     return ShardSampler(
         dataset,
@@ -171,7 +172,8 @@ def build_train_loader(
     generator = torch.Generator()
     generator.manual_seed(worker_seed(seed, info.rank, 0))
     if isinstance(sampler, PlanSampler):  # the workers read the plan's ranges themselves
-        source, sampling = PlanReader(dataset, sampler), {}
+        samples, augment = sharded_source(dataset)
+        source, sampling = PlanReader(samples, sampler, augment=augment), {}
     else:
         source, sampling = BatchFetch(dataset), {"sampler": sampler}
     return DataLoader(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,8 @@ from ddp_template.data.contract import DataInfo, Splits
 from ddp_template.data.shard_index import ShardIndex
 from ddp_template.data.shard_plan import DEFAULT_SHUFFLE_BLOCK, PlanSampler
 from ddp_template.errors import ConfigError
+
+Augment = Callable[[torch.Tensor, int], torch.Tensor]  # (input, sample index) -> input
 
 OPEN_SHARDS = 16  # file handles a process keeps (the least recently opened is closed first)
 
@@ -97,11 +99,19 @@ class PlanReader(IterableDataset):
     worker it plays (``PlanSampler.loader_worker``) from the epoch and position in the
     sampler's shared tensor, grouping consecutive samples of one block into one read."""
 
-    def __init__(self, samples: ShardSamples, sampler: PlanSampler) -> None:
-        self.samples, self.sampler = samples, sampler
+    def __init__(
+        self, samples: ShardSamples, sampler: PlanSampler, augment: Augment | None = None
+    ) -> None:
+        self.samples, self.sampler, self.augment = samples, sampler, augment
 
     def __getitem__(self, i: int) -> Any:  # an empty micro-batch's shape (engine)
-        return self.samples[i]
+        return self._augmented(self.samples[i])
+
+    def _augmented(self, item: tuple[torch.Tensor, int, int]) -> tuple[torch.Tensor, int, int]:
+        if self.augment is None:
+            return item
+        x, y, index = item
+        return self.augment(x, index), y, index
 
     def indices(self, loader_worker: int, epoch: int, start: int) -> np.ndarray:
         s = self.sampler
@@ -125,7 +135,7 @@ class PlanReader(IterableDataset):
                 ix.shard_of(int(run[0])), int(run.min()), int(run.max())
             )
             for i in run.tolist():
-                yield self.samples.item(i, base, buffer)
+                yield self._augmented(self.samples.item(i, base, buffer))
 
 
 def webdataset(
@@ -155,5 +165,12 @@ def webdataset(
     return Splits(train, test, info)
 
 
-def is_sharded(dataset: Any) -> bool:
-    return isinstance(dataset, ShardSamples)
+def sharded_source(dataset: Any) -> tuple[ShardSamples, Augment | None] | None:
+    """The shard samples a training split streams from and the augmentation on top of them
+    (``transforms``: a wrapper with ``base`` and ``augment(x, index)``), or None: map-style."""
+    if isinstance(dataset, ShardSamples):
+        return dataset, None
+    base, augment = getattr(dataset, "base", None), getattr(dataset, "augment", None)
+    if isinstance(base, ShardSamples) and callable(augment):
+        return base, augment
+    return None

@@ -47,9 +47,13 @@ class Augmented(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:
         x, y, index = self.base[i]
+        return self.augment(x, index), y, index
+
+    def augment(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Sample ``index``'s input at this epoch (sharded data streams and calls it itself)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(sample_seed(self.seed, int(self.epoch), index))
-            return self.transform(x), y, index
+            return self.transform(x)
 
 
 class Mapped(Dataset):
