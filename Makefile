@@ -24,10 +24,10 @@ train: install ## Default job: small_cnn on digits, 2 ranks (NPROC=2) on CPU, gl
 	$(PY) train.py dist.nproc=$(NPROC)
 
 test: install ## Run the whole test suite (W&B offline)
-	WANDB_MODE=offline $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15
+	WANDB_MODE=offline $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 test-fast: install ## Only the fast tests (no slow end-to-end runs)
-	WANDB_MODE=offline $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+	WANDB_MODE=offline $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
 
 lint: install ## ruff check and ruff format --check
 	$(VENV)/bin/ruff check .

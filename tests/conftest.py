@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,9 +37,17 @@ def compose_cfg() -> Callable[..., DictConfig]:
     return compose_conf
 
 
+# Each module's measured seconds (a `make test` run's junit XML, summed per module). The longest
+# modules start first: `make test` hands pytest-xdist workers whole modules in collection order
+# (--dist loadfile --no-loadscope-reorder), and a long module picked up last is the suite's
+# tail. A stale or missing entry only costs balance, never a result.
+MODULE_SECONDS = json.loads((ROOT / "tests" / "module_seconds.json").read_text())
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``gpu`` tests (``gpu(n)``: n GPUs, default 1) are the only ones that use CUDA: skip them,
-    with the reason, where this machine has fewer."""
+    """The longest modules first; ``gpu`` tests (``gpu(n)``: n GPUs, default 1) are the only
+    ones that use CUDA: skip them, with the reason, where this machine has fewer."""
+    items.sort(key=lambda item: -MODULE_SECONDS.get(f"tests/{item.path.name}", 0))  # stable
     import torch
 
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
