@@ -84,15 +84,21 @@ def _worker_start_method(dataset: Dataset) -> str:
     """forkserver, not fork: a rank has gloo/NCCL, OpenMP and loader threads running, and
     forking a threaded process can deadlock the child inside ``fork()`` (seen here: an eval
     loader's worker hung at epoch 0 while the train loader's feeder threads ran)."""
+    global _server_started
     if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
-    # The server imports these once; each worker is then a fork of it instead of a fresh
-    # interpreter importing torch (~1.5 s per worker, 8 workers for 2 ranks' two loaders).
-    mp.set_forkserver_preload(loaded_modules("torch", "numpy", *modules_of(dataset)))
+    if not _server_started:  # the preload reaches only the server's first start
+        # The server imports these once; each worker is then a fork of it instead of a fresh
+        # interpreter importing torch (~1.5 s per worker, 8 workers for 2 ranks' two loaders).
+        mp.set_forkserver_preload(loaded_modules("torch", "numpy", *modules_of(dataset)))
     # Started now, the server's imports overlap building the model, DDP and W&B instead of
     # delaying the first batch.
     forkserver.ensure_running()
+    _server_started = True
     return "forkserver"
+
+
+_server_started = False  # by _worker_start_method, in this process
 
 
 def _loader_kwargs(cfg: LoaderConfig, device: torch.device, dataset: Dataset) -> dict[str, Any]:

@@ -72,13 +72,13 @@ class Mapped(Dataset):
 
 def pipelines(cfg: TransformsConfig, image_size: int, channels: int) -> tuple[Any, Any]:
     """(training transform, evaluation transform); None where nothing is applied."""
-    name = str(cfg.name)
-    if name == "none" and (cfg.mean is None or cfg.std is None):
+    name, normalize = str(cfg.name), cfg.mean is not None and cfg.std is not None
+    if name == "none" and not normalize:
         return None, None  # torchvision unimported: its import costs every rank about 3 s of CPU
     from torchvision.transforms import v2
 
     norm = []
-    if cfg.mean is not None and cfg.std is not None:
+    if normalize:
         if not len(cfg.mean) == len(cfg.std) == channels:
             raise ConfigError(
                 f"transforms.mean={list(cfg.mean)} and transforms.std={list(cfg.std)} need one "
