@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp_template import boundary, distributed, failures, faults, launch, numerics, run_identity
 from ddp_template.amp import build_scaler, scaler_part
-from ddp_template.checkpoint import Checkpointer, resume_rank0
+from ddp_template.checkpoint import Checkpointer, Found, resume_rank0
 from ddp_template.config import Config, register_configs
 from ddp_template.console import setup_console
 from ddp_template.data.contract import Splits
@@ -36,6 +36,7 @@ from ddp_template.data.schedule import StepSchedule
 from ddp_template.data.shard_check import epoch_metrics, verify_epoch
 from ddp_template.data.splits import build_splits
 from ddp_template.data.transforms import apply_transforms
+from ddp_template.elastic import Resize, plan_resize, record_segment
 from ddp_template.ema import build_ema
 from ddp_template.engine import (
     EpochStats,
@@ -56,7 +57,7 @@ from ddp_template.models import (
     describe_load,
     weights_part,
 )
-from ddp_template.optim import build_optimizer, build_scheduler
+from ddp_template.optim import build_optimizer, build_scheduler, set_horizon
 from ddp_template.parallel import build_ddp, compile_model
 from ddp_template.preemption import Preemption
 from ddp_template.profiling import StepProfiler
@@ -148,7 +149,7 @@ def checkpointer(
     """The checkpoint's named parts: restored in this order, each refusing its own misfit."""
     tr = built.trainer
     parts = {
-        "progress": Progress(state=state, accumulate=cfg.optim.accumulate),
+        "progress": Progress(state=state, trainer=tr),
         "model": weights_part(tr.module),
         "optimizer": tr.optimizer,
         "scheduler": tr.scheduler,
@@ -170,16 +171,32 @@ def checkpointer(
     )
 
 
-def resume(cfg: Config, ckpt: Checkpointer, state: TrainState, model: torch.nn.Module) -> None:
-    """Continue from the newest valid checkpoint (resume=auto), a given file, or not at all;
-    a fresh run may start from another run's weights (finetune.init_from)."""
-    found = resume_rank0(cfg.resume, ckpt.directory, ckpt.info)
+def resume(
+    cfg: Config,
+    built: Built,
+    ckpt: Checkpointer,
+    state: TrainState,
+    found: Found | None,
+    resize: Resize | None,
+) -> None:
+    """Continue from the checkpoint found (resume=auto: the newest valid one; or a given
+    file), at its world size or, re-dealt, at this one; else a fresh run, maybe from another
+    run's weights (finetune.init_from)."""
+    tr = built.trainer
     if found:
-        ckpt.restore(found)
+        ckpt.restore(found, resized=resize is not None)
         log.info("resumed from %s at epoch %d, step %d", found.path, state.epoch, state.step)
     elif cfg.finetune.init_from is not None:
-        report = init_weights(cfg.finetune, model)
+        report = init_weights(cfg.finetune, tr.module)
         log.info("initialised from %s: %s", cfg.finetune.init_from, describe_load(report))
+    if resize is None:
+        return
+    log.info("%s", resize.describe())
+    if resize.global_batch == "scale":  # the LR schedule over the steps left at this size
+        rest = epoch_schedule(cfg, tr, state)
+        left = rest.steps_per_epoch - rest.steps_done(state.position)
+        later = max(0, cfg.epochs - state.epoch - 1) * tr.schedule.steps_per_epoch
+        set_horizon(tr.scheduler, state.step + left + later)
 
 
 def fit(
@@ -197,7 +214,7 @@ def fit(
             if selection.stops_before(epoch):
                 break
             state.epoch, start = epoch, state.position
-            set_epoch(cfg, built, epoch)
+            set_epoch(cfg, built, state)
             logger.start_epoch(epoch, steps_this_epoch(tr, state))
             stats = train_one_epoch(tr, state, on_step, logger.log_interval)
             logger.end_epoch()
@@ -205,7 +222,7 @@ def fit(
             if stats.stopped:
                 preempt.stop(state.step, ckpt.last)  # checkpointed: a requeue continues
             metrics = built.evaluation.epoch(epoch, state.step, logger)
-            state.epoch, state.position = epoch + 1, 0
+            state.epoch, state.position, state.prior = epoch + 1, 0, []
             copies = selection.copies(selection.observe(metrics, epoch))
             saved = ckpt.save(epochs_done=state.epoch, copies=copies)
             for kind, path in {"last": saved.last, **saved.copies}.items():
@@ -220,11 +237,23 @@ def fit(
     return built.evaluation.at_end(state.epoch, state.step, logger)
 
 
-def set_epoch(cfg: Config, built: Built, epoch: int) -> None:
-    tr = built.trainer
+def set_epoch(cfg: Config, built: Built, state: TrainState) -> None:
+    tr, epoch = built.trainer, state.epoch
     tr.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+    tr.schedule = epoch_schedule(cfg, tr, state)  # after an elastic resume: the rest's
     built.splits.set_epoch(epoch)  # augmentation draws from (seed, epoch, index)
     reseed_for_epoch(tr.loader, cfg.seed, tr.info.rank, epoch)
+
+
+def epoch_schedule(cfg: Config, tr: Trainer, state: TrainState) -> StepSchedule:
+    """The steps of the sampler's current epoch (the rest of it after a resize)."""
+    sampler = tr.sampler
+    return StepSchedule.of_run(
+        cfg,
+        length=sampler.epoch_length,
+        rank_lengths=sampler.rank_lengths,
+        steps_before=state.steps_before,
+    )
 
 
 def account(
@@ -235,7 +264,7 @@ def account(
     epoch, step = state.epoch, state.step
     metrics = epoch_metrics(stats, tr.sampler, start, epoch, carried=state.carried)
     logger.log_epoch(metrics, step)  # a collective with one W&B run
-    report = verify_epoch(stats, tr.sampler, start, metrics, tr.info)  # a collective
+    report = verify_epoch(stats, tr.sampler, start, metrics, tr.info, state.prior)  # collective
     if report is not None:
         logger.log_shard_report(report, epoch, step)
 
@@ -275,13 +304,20 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         setup_console(info, run.run_dir)
         log.info("%s", info.describe())
         log.info("numerics: %s", numerics.describe())
-        config = boundary.plain(cfg)
+        found = resume_rank0(cfg.resume, run.run_dir / "checkpoints", info)
+        resize = plan_resize(cfg.elastic, found=found, run=cfg, info=info)
+        cfg = resize.adjust(cfg) if resize else cfg  # its batch and accumulation from here on
+        config = boundary.plain(cfg) | ({"resize": resize.record()} if resize else {})
         logger = RankLogger(cfg=cfg.logger, run=run, info=info, config=config)  # W&B starts
         built = build(cfg, info)  # ...while this builds
         state = TrainState()
         ckpt = checkpointer(cfg, built, state, run.run_dir, OmegaConf.to_yaml(config))
-        resume(cfg, ckpt, state, built.trainer.module)
+        resume(cfg, built, ckpt, state, found, resize)
+        if info.is_main:
+            record_segment(run.run_dir, cfg=cfg, state=state, world_size=info.world_size)
         logger.ready()  # every rank's W&B run exists before anyone logs
+        if resize:
+            logger.log({f"elastic/{k}": v for k, v in resize.record().items()}, state.step)
         logger.log_sizes(built.splits, state.step)
         global_batch = cfg.loader.batch_size * info.world_size * cfg.optim.accumulate
         if info.is_main:

@@ -122,8 +122,10 @@ class Checkpointer:
             "ranks": ranks,
         }
 
-    def restore(self, found: Found) -> None:
-        restore(found, parts=self.parts, rank_parts=self.rank_parts, info=self.info)
+    def restore(self, found: Found, *, resized: bool = False) -> None:
+        restore(
+            found, parts=self.parts, rank_parts=self.rank_parts, info=self.info, resized=resized
+        )
 
     @property
     def last(self) -> Path | None:
@@ -191,28 +193,64 @@ def find_resume(resume: str, directory: Path) -> Found | None:
 
 
 def restore(
-    found: Found, *, parts: dict[str, Stateful], rank_parts: dict[str, Stateful], info: DistInfo
+    found: Found,
+    *,
+    parts: dict[str, Stateful],
+    rank_parts: dict[str, Stateful],
+    info: DistInfo,
+    resized: bool = False,
 ) -> None:
     """Put every part back where it was, in order; refuse a checkpoint this run cannot continue
-    (another world size before anything is touched)."""
+    (another world size, unless ``resized``, before anything is touched).
+
+    ``resized`` (elastic resume at another world size): a part with ``load_resized(saved, *,
+    world_size)`` takes its saved state through it (a per-rank part: every old rank's, as a
+    list); a per-rank part without one is refused, since it cannot be re-dealt."""
     path, payload = found
-    if payload["world_size"] != info.world_size:
+    world = payload["world_size"]
+    same = {k: v for k, v in payload.items() if k not in RECORD}
+    if world == info.world_size:
+        _load_parts(parts, same, path)
+        _load_parts(rank_parts, payload["ranks"][info.rank], path)
+        return
+    if not resized:
         raise ConfigError(
-            f"checkpoint {path} was written with world size {payload['world_size']} but this run "
-            f"has {info.world_size} ranks; resume with {payload['world_size']} ranks "
-            f"(dist.nproc / --nproc-per-node), or start fresh with resume=never."
+            f"checkpoint {path} was written with world size {world} but this run has "
+            f"{info.world_size} ranks; resume with {world} ranks (dist.nproc / "
+            f"--nproc-per-node), or start fresh with resume=never."
         )
-    _load_parts(parts, {k: v for k, v in payload.items() if k not in RECORD}, path)
-    _load_parts(rank_parts, payload["ranks"][info.rank], path)
+    ranks = payload["ranks"]
+    _load_parts(parts, same, path, world=world)
+    by_part = {k: [r[k] for r in ranks] for k in ranks[0]}
+    _load_parts(rank_parts, by_part, path, world=world, per_rank=True)
 
 
-def _load_parts(parts: dict[str, Stateful], saved: dict[str, Any], path: Path) -> None:
+def _load_parts(
+    parts: dict[str, Stateful],
+    saved: dict[str, Any],
+    path: Path,
+    *,
+    world: int | None = None,
+    per_rank: bool = False,
+) -> None:
+    """``world``: the saved states are another world size's (``per_rank``: a list of them)."""
     for name in saved.keys() - parts.keys():
         log.info("checkpoint %s holds a %s part, which this run has not: not restored", path, name)
     for name, part in parts.items():
         if name in saved:
             try:
-                part.load_state_dict(saved[name])
+                if world is None:
+                    part.load_state_dict(saved[name])
+                elif hasattr(part, "load_resized"):
+                    part.load_resized(saved[name], world_size=world)
+                elif per_rank:
+                    raise ConfigError(
+                        f"checkpoint {path}: its per-rank {name} part cannot be re-dealt to "
+                        f"another world size; resume with {world} ranks, or start fresh with "
+                        f"resume=never."
+                    )
+                else:
+                    part.load_state_dict(saved[name])
             except ValueError as exc:  # errors.Misfit, or a part's own ValueError
                 raise ConfigError(f"checkpoint {path}: {exc}") from None
         elif hasattr(part, "start_fresh"):

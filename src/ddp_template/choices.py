@@ -109,6 +109,20 @@ class Norm(Choice):
     none = "none"
 
 
+class GlobalBatch(Choice):
+    """At another world size: keep batch_size x W x accumulate, or the per-rank batch."""
+
+    keep = "keep"
+    scale = "scale"
+
+
+class OnResize(Choice):
+    """A checkpoint of another world size: continue at this one, or refuse."""
+
+    locals()["continue"] = "continue"  # a Python keyword: the member is OnResize["continue"]
+    refuse = "refuse"
+
+
 class LogCheckpoints(Choice):
     """Which checkpoint becomes a W&B model artifact version at each epoch end."""
 

@@ -21,9 +21,11 @@ from ddp_template.choices import (
     AmpMode,
     BackendName,
     EvalSplit,
+    GlobalBatch,
     LogCheckpoints,
     LoggerName,
     MatmulPrecision,
+    OnResize,
     OptimName,
     Permutation,
     SamplerMode,
@@ -187,6 +189,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class ElasticConfig:
+    """Resuming a checkpoint written at another world size (an elastic restart, a requeue on
+    another node count): the rest of its epoch is dealt to this run's ranks."""
+
+    on_resize: OnResize = OnResize["continue"]  # refuse: resume only at the checkpoint's size
+    # keep: batch_size x W x accumulate unchanged (the per-rank batch kept where it can be,
+    # accumulate adjusted), so steps per epoch and the LR schedule go on; scale: the per-rank
+    # batch and accumulate as configured, the global batch changes, the LR schedule re-derived.
+    global_batch: GlobalBatch = GlobalBatch.keep
+
+
+@dataclass
 class FaultConfig:
     """Testing aids: crash or signal a rank at a global step. Off by default."""
 
@@ -216,6 +230,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)

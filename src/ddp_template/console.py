@@ -50,6 +50,11 @@ def report_lines(report: dict[str, Any], epoch: int) -> list[str]:
         f"fingerprint {w['fingerprint']}{'' if w['matches'] else '  <-- MISMATCH'}"
         for w in report.get("workers", [])
     ]
+    lines += [
+        f"  before the resize, rank {p['rank']} of {p['world_size']}: {p['samples']} samples, "
+        f"fingerprint {p['fingerprint']}{'' if p['matches'] else '  <-- MISMATCH'}"
+        for p in report.get("prior", [])
+    ]
     for tail in ("pads", "drops"):
         if report.get(tail):
             lines.append(f"  {tail}: {', '.join(report[tail][:20])}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -41,6 +41,14 @@ class TrainState:
     tally: IndexTally | None = None  # this launch's tally of the current epoch (the ledger part)
     # The ledger of the current epoch's part read before a resume (from the checkpoint).
     carried: dict[str, Any] | None = None
+    # The current epoch's prefixes read at other world sizes, oldest first (elastic resume):
+    # world_size, position, complete, steps, batch_size, accumulate and the old ranks' ledgers.
+    prior: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def steps_before(self) -> int:
+        """Steps of the current epoch run at other world sizes."""
+        return sum(int(p["steps"]) for p in self.prior)
 
 
 @dataclass(kw_only=True)

@@ -225,6 +225,8 @@ class RankLogger:
         self.log_table("shards/report", rows, step)
         if report.get("workers"):  # sharded data: every (rank, loader worker)
             self.log_table("shards/workers", report["workers"], step)
+        if report.get("prior"):  # resumed at another world size: the old ranks' prefix
+            self.log_table("shards/prior", report["prior"], step)
         log.info("\n".join(report_lines(report, epoch)))
         if report["verdict"] != "ok":
             log.warning(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,18 +44,34 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer
     )
 
 
+@dataclass
+class WarmupCosine:
+    """The LR factor at a step: linear warm-up, then cosine to zero at ``total_steps`` (or
+    constant). An object, not a closure: LambdaLR checkpoints its fields, so a resumed run
+    keeps its horizon (and an elastic one that changes the global batch sets a new one)."""
+
+    warmup: int
+    cosine: bool
+    total_steps: int
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if not self.cosine:
+            return 1.0
+        progress = (step - self.warmup) / max(1, self.total_steps - self.warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
 def build_scheduler(
     cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Per-step schedule: linear warm-up, then cosine to zero (or constant with ``none``)."""
-    warmup, cosine = cfg.warmup_steps, cfg.schedule == Schedule.cosine
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if not cosine:
-            return 1.0
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
+    factor = WarmupCosine(cfg.warmup_steps, cfg.schedule == Schedule.cosine, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def set_horizon(scheduler: torch.optim.lr_scheduler.LambdaLR, total_steps: int) -> None:
+    """Re-derive the schedule for a run that now ends at ``total_steps``."""
+    for factor in scheduler.lr_lambdas:
+        factor.total_steps = total_steps

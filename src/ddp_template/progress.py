@@ -1,5 +1,9 @@
 """Where training stands, as checkpoint parts: the run's epoch, step and position, this
-rank's sampler at that position, and this rank's ledger of the epoch so far."""
+rank's sampler at that position, and this rank's ledger of the epoch so far.
+
+At another world size (elastic resume) each part is re-dealt by ``load_resized``: the
+progress part turns the old ranks' position into a prefix of the epoch (``state.prior``), the
+sampler deals the rest of the epoch, and the old ranks' ledgers travel with that prefix."""
 
 from __future__ import annotations
 
@@ -7,29 +11,54 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddp_template.data.accounting import join_ledgers
-from ddp_template.engine import TrainState
+from ddp_template.data.sampler_state import check_order
+from ddp_template.engine import Trainer, TrainState
 from ddp_template.errors import Misfit
 
 
 @dataclass(kw_only=True)
 class Progress:
     """``TrainState`` under this run's ``optim.accumulate``; refuses another K's, since a
-    mid-epoch position need not be a step boundary of another K."""
+    mid-epoch position need not be a step boundary of another K (at another world size the
+    position becomes a prefix of the epoch instead: ``load_resized``)."""
 
     state: TrainState
-    accumulate: int
+    trainer: Trainer  # its schedule: the steps the position stands for
 
     def state_dict(self) -> dict[str, Any]:
-        s = self.state
+        s, schedule = self.state, self.trainer.schedule
+        done = schedule.steps_done(s.position)
         return {
             "epoch": s.epoch,
             "step": s.step,
             "position": s.position,
-            "accumulate": self.accumulate,
+            "accumulate": schedule.accumulate,
+            "batch_size": schedule.batch_size,
+            "segment_steps": done,  # steps of the epoch at this world size
+            "complete": done >= schedule.steps_per_epoch,  # its last step has run
+            "prior": s.prior,
         }
 
+    def load_resized(self, saved: dict[str, Any], *, world_size: int) -> None:
+        """The checkpoint's position, read by ``world_size`` ranks, as a prefix of the epoch;
+        this run deals the rest from position 0."""
+        s = self.state
+        s.epoch, s.step, s.prior, s.position = saved["epoch"], saved["step"], saved["prior"], 0
+        if saved["position"]:
+            prefix = {
+                "world_size": world_size,
+                "position": saved["position"],
+                "complete": saved["complete"],
+                "steps": saved["segment_steps"],
+                "batch_size": saved["batch_size"],
+                "accumulate": saved["accumulate"],
+                "first_step": saved["step"] - saved["segment_steps"] + 1,
+                "ledgers": None,  # the old ranks' (Ledger.load_resized)
+            }
+            s.prior = [*saved["prior"], prefix]
+
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        k, mine = saved["accumulate"], self.accumulate
+        k, mine = saved["accumulate"], self.trainer.schedule.accumulate
         if k != mine:
             raise Misfit(
                 f"it was written with optim.accumulate={k} but this run has "
@@ -38,6 +67,7 @@ class Progress:
             )
         self.state.epoch, self.state.step = saved["epoch"], saved["step"]
         self.state.position = saved["position"]
+        self.state.prior = saved.get("prior", [])
 
 
 @dataclass(kw_only=True)
@@ -52,6 +82,13 @@ class SamplerPosition:
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.sampler.load_state_dict(saved)
+
+    def load_resized(self, saved: list[dict[str, Any]], *, world_size: int) -> None:
+        """The old ranks' samplers (of one epoch order) → this rank deals the rest of it."""
+        check_order(self.sampler, saved[0])
+        self.sampler.set_epoch(self.state.epoch)
+        if self.state.prior:
+            self.sampler.continue_epoch(self.state.epoch, self.state.prior)
 
 
 @dataclass(kw_only=True)
@@ -76,6 +113,23 @@ class Ledger:
                 f"{self.state.position}; the checkpoint is inconsistent: resume from another."
             )
         self.state.carried = saved if saved["samples"] else None
+
+    def load_resized(self, saved: list[dict[str, Any]], *, world_size: int) -> None:
+        """The old ranks' ledgers go with the prefix they read; this rank's starts empty."""
+        s = self.state
+        self.state.carried = None
+        if not s.prior or s.prior[-1]["ledgers"] is not None:
+            return
+        prefix = s.prior[-1]
+        for r, ledger in enumerate(saved):
+            if (ledger["epoch"], ledger["position"]) != (s.epoch, prefix["position"]):
+                raise Misfit(
+                    f"rank {r}'s ledger stands at epoch {ledger['epoch']}, position "
+                    f"{ledger['position']} but the run's progress at epoch {s.epoch}, position "
+                    f"{prefix['position']}; the checkpoint is inconsistent: resume from another."
+                )
+        keys = ("samples", "fingerprint", "workers")
+        prefix["ledgers"] = [{k: ledger.get(k, 0) for k in keys} for ledger in saved]
 
     def start_fresh(self) -> str:
         return "no ledger saved: a resumed epoch's data/epoch_* keys count from the resume"

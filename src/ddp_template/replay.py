@@ -13,7 +13,10 @@ or ``checkpoints/last.pt``), builds each rank's sampler with the training's own 
 evaluates only the step's positions: O(batch) time and memory at any N (randperm, used below
 N = 2^24 unless configured otherwise, costs its O(N) permutation as in training). Steps are
 numbered as the logs number them (the first optimizer step is 1); a resumed run keeps the
-numbering, because it resumes at the exact position it stopped at. ``--index`` is O(1) per
+numbering, because it resumes at the exact position it stopped at. A run resumed at another
+world size records its segments (``segments.json``: from which step it ran at which world size,
+batch and accumulation, and which prefixes of that epoch came before), and each step is
+replayed in its own segment's layout. ``--index`` is O(1) per
 epoch for Feistel or unshuffled runs and O(N) per epoch for randperm, refused beyond
 ``INDEX_MAX_RANDPERM`` permuted elements in all (minutes of work).
 """
@@ -21,6 +24,7 @@ epoch for Feistel or unshuffled runs and O(N) per epoch for randperm, refused be
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -42,9 +47,29 @@ from ddp_template.data.samplers import ShardSampler
 from ddp_template.data.schedule import StepSchedule
 from ddp_template.data.splits import build_splits
 from ddp_template.distributed import DistInfo
+from ddp_template.elastic import read_segments
 from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
 
 INDEX_MAX_RANDPERM = 2**28  # N x epochs for --index under randperm: ~10 s on a 2-core CPU
+
+
+@dataclass(frozen=True, kw_only=True)
+class Piece:
+    """One epoch (or the part of it) one segment of the run trained: steps ``first_step`` on
+    are its schedule's steps ``first_k`` on, ``steps`` of them, by ``sampler`` (rank 0's)."""
+
+    epoch: int
+    first_step: int
+    first_k: int
+    steps: int
+    world_size: int
+    sampler: ShardSampler
+    schedule: StepSchedule
+
+    def span(self) -> tuple[int, int]:
+        """The positions of every rank's list this piece read."""
+        first, last = self.first_k, self.first_k + self.steps - 1
+        return self.schedule.span(first)[0], self.schedule.span(last)[1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,17 +78,19 @@ class Run:
 
     run_dir: Path
     cfg: Config
-    world_size: int
+    world_size: int  # the first segment's
     train: Dataset
-    schedule: StepSchedule
+    schedule: StepSchedule  # the first segment's epochs
+    pieces: tuple[Piece, ...] = ()
 
-    def sampler(self, rank: int) -> ShardSampler:
+    def sampler(self, rank: int, world_size: int | None = None) -> ShardSampler:
         """Rank ``rank``'s training sampler, built exactly as ``train.py`` builds it."""
+        world = world_size or self.world_size
         info = DistInfo(
             rank=rank,
             local_rank=rank,
-            world_size=self.world_size,
-            local_world_size=self.world_size,
+            world_size=world,
+            local_world_size=world,
             backend=None,
             device=torch.device("cpu"),
             host="replay",
@@ -73,13 +100,19 @@ class Run:
             self.train, cfg.sampler, seed=cfg.seed, info=info, loader=cfg.loader
         )
 
+    @property
+    def total_steps(self) -> int:
+        last = self.pieces[-1] if self.pieces else None
+        return last.first_step + last.steps - 1 if last else 0
+
 
 def load_run(run_dir: Path, world_size: int | None = None) -> Run:
     """The run in ``run_dir``; ``world_size`` only for a directory that records none."""
     if not run_dir.is_dir():
         raise ConfigError(f"run dir {run_dir} does not exist; pass the directory of a run.")
     cfg = _config(run_dir)
-    world = _world_size(run_dir, world_size)
+    segments = read_segments(run_dir)
+    world = segments[0]["world_size"] if segments else _world_size(run_dir, world_size)
     train = build_splits(cfg.data).train
     rule = SAMPLER_MODES[str(cfg.sampler.mode)]
     schedule = StepSchedule.of_run(
@@ -87,7 +120,53 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
         length=rule.length(len(train), world),
         rank_lengths=tuple(rule.rank_length(len(train), r, world) for r in range(world)),
     )
-    return Run(run_dir=run_dir, cfg=cfg, world_size=world, train=train, schedule=schedule)
+    run = Run(run_dir=run_dir, cfg=cfg, world_size=world, train=train, schedule=schedule)
+    first = {"first_step": 1, "epoch": 0, "position": 0, "world_size": world, "prior": []}
+    first |= {"batch_size": cfg.loader.batch_size, "accumulate": cfg.optim.accumulate}
+    return dataclasses.replace(run, pieces=tuple(_pieces(run, segments or [first])))
+
+
+def _pieces(run: Run, segments: list[dict[str, Any]]) -> list[Piece]:
+    """Every segment's epochs, each the steps it trained before the next segment began."""
+    pieces = []
+    for i, seg in enumerate(segments):
+        end = segments[i + 1]["first_step"] if i + 1 < len(segments) else None
+        loader = dataclasses.replace(run.cfg.loader, batch_size=seg["batch_size"])
+        optim = dataclasses.replace(run.cfg.optim, accumulate=seg["accumulate"])
+        cfg = dataclasses.replace(run.cfg, loader=loader, optim=optim)
+        step, epoch, prior, position = (
+            seg["first_step"],
+            seg["epoch"],
+            seg["prior"],
+            seg["position"],
+        )
+        while epoch < cfg.epochs and (end is None or step < end):
+            sampler = run.sampler(0, seg["world_size"])
+            sampler.set_epoch(epoch)
+            if prior:
+                sampler.continue_epoch(epoch, prior)
+            schedule = StepSchedule.of_run(
+                cfg,
+                length=sampler.epoch_length,
+                rank_lengths=sampler.rank_lengths,
+                steps_before=sum(p["steps"] for p in prior),
+            )
+            first_k = schedule.steps_done(position)
+            steps = schedule.steps_per_epoch - first_k
+            steps = steps if end is None else min(steps, end - step)
+            if steps > 0:
+                piece = Piece(
+                    epoch=epoch,
+                    first_step=step,
+                    first_k=first_k,
+                    steps=steps,
+                    world_size=seg["world_size"],
+                    sampler=sampler,
+                    schedule=schedule,
+                )
+                pieces.append(piece)
+            step, epoch, prior, position = step + steps, epoch + 1, [], 0
+    return pieces
 
 
 def _config(run_dir: Path) -> Config:
@@ -144,19 +223,32 @@ def _recorded_world_size(run_dir: Path) -> int | None:
     return int(load_checkpoint(checkpoint)["world_size"]) if checkpoint.is_file() else None
 
 
+def piece_of(run: Run, step: int) -> Piece:
+    """The piece of the run that trained optimizer step ``step``."""
+    for piece in run.pieces:
+        if piece.first_step <= step < piece.first_step + piece.steps:
+            return piece
+    if not run.pieces:
+        raise ConfigError(
+            f"step={step} does not exist: this run trains no step ({run.cfg.epochs} epochs)."
+        )
+    raise ConfigError(
+        f"step={step} is outside this run's steps [1, {run.total_steps}]; pass a step in that "
+        f"range."
+    )
+
+
 def step_rows(run: Run, step: int) -> list[dict[str, Any]]:
     """Each rank's epoch, position and dataset indices at optimizer step ``step``."""
-    try:
-        batch = run.schedule.batch(step)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    sampler = run.sampler(0)  # one permutation for all ranks: index_at takes the rank
-    sampler.set_epoch(batch.epoch)
+    piece = piece_of(run, step)
+    schedule, sampler = piece.schedule, piece.sampler  # index_at takes the rank
+    start, stop = schedule.span(piece.first_k + step - piece.first_step)
     rows = []
-    for rank in range(run.world_size):
-        positions = batch.positions[: run.schedule.held(rank, batch.start, batch.stop)]
+    for rank in range(piece.world_size):
+        positions = np.arange(start, stop, dtype=np.int64)[: schedule.held(rank, start, stop)]
         indices = sampler.index_at(positions, rank)  # `exact`: a shorter list may end here
-        row = {"step": step, "rank": rank, "epoch": batch.epoch, "position": batch.start}
+        row = {"step": step, "rank": rank, "epoch": piece.epoch, "position": start}
+        row["world_size"] = piece.world_size
         row["indices"] = indices.tolist()
         if hasattr(run.train, "key_of"):  # sharded data: each sample's __key__ too
             row["keys"] = [run.train.key_of(i) for i in row["indices"]]
@@ -170,13 +262,22 @@ def index_hits(run: Run, index: int) -> list[dict[str, int]]:
     if not 0 <= index < n:
         raise ConfigError(f"--index {index} is outside the training set [0, {n}); pass 0..{n - 1}.")
     sampler = run.sampler(0)
-    work = n * run.schedule.epochs
+    work = n * len(run.pieces)
     if sampler.shuffle and sampler.permutation == "randperm" and work > INDEX_MAX_RANDPERM:
         raise ConfigError(
             f"--index on this run permutes N x epochs = {work:,} indices with randperm (more than "
             f"{INDEX_MAX_RANDPERM:,}, minutes of work); use --step, or replay a feistel run."
         )
-    return [hit._asdict() | {"index": index} for hit in run.schedule.hits(sampler, index)]
+    hits = []
+    for piece in run.pieces:
+        ranks, positions = piece.sampler.locate(index)
+        lo, hi = piece.span()
+        read = (positions >= lo) & (positions < hi)
+        steps = piece.first_step + positions[read] // piece.schedule.step_size - piece.first_k
+        for rank, position, step in zip(ranks[read], positions[read], steps, strict=True):
+            hit = {"epoch": piece.epoch, "step": int(step), "rank": int(rank)}
+            hits.append(hit | {"position": int(position), "world_size": piece.world_size})
+    return [hit | {"index": index} for hit in sorted(hits, key=lambda h: (h["step"], h["rank"]))]
 
 
 def save_batch(run: Run, rows: list[dict[str, Any]], path: Path) -> Path:
@@ -197,11 +298,14 @@ def _print_step(run: Run, rows: list[dict[str, Any]], as_json: bool) -> None:
         for row in rows:
             print(json.dumps(row))
         return
-    first, k = rows[0], run.schedule.steps_per_epoch
+    first = rows[0]
+    piece = piece_of(run, first["step"])
+    k = piece.first_k + first["step"] - piece.first_step + 1
+    rest = " of the rest after a resize" if piece.sampler.prior else ""
     print(
-        f"{run.run_dir}: step {first['step']} of {run.schedule.total_steps} = epoch "
-        f"{first['epoch']}, step {(first['step'] - 1) % k + 1} of {k}; {run.world_size} ranks, "
-        f"batch_size {run.cfg.loader.batch_size} x accumulate {run.cfg.optim.accumulate}"
+        f"{run.run_dir}: step {first['step']} of {run.total_steps} = epoch {first['epoch']}, "
+        f"step {k} of {piece.schedule.steps_per_epoch}{rest}; {piece.world_size} ranks, "
+        f"batch_size {piece.schedule.batch_size} x accumulate {piece.schedule.accumulate}"
     )
     for row in rows:
         print(f"rank {row['rank']}: epoch {row['epoch']}, position {row['position']}: ", end="")

@@ -34,6 +34,10 @@ class RngState:
             state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
         return state
 
+    def load_resized(self, saved: list[dict[str, Any]], *, world_size: int) -> None:
+        """At another world size no rank continues an old rank's streams: this rank keeps the
+        ones it started with, as a fresh rank would."""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(_bytes_tensor(state["torch"]))
         random.setstate((state["python_version"], tuple(state["python"]), None))

@@ -34,7 +34,7 @@ def layout_from_sampler(sampler: ShardSampler) -> ShardLayout:
         ranks.append(idx)
         padding.append(np.asarray(sampler.is_padding(np.arange(idx.size), rank), dtype=bool))
     return ShardLayout(
-        mode=sampler.mode, num_samples=sampler.dataset_size, ranks=ranks, padding=padding
+        mode=sampler.mode, num_samples=sampler.base_size, ranks=ranks, padding=padding
     )
 
 

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_template.data.feistel import FeistelPermutation
+from ddp_template.data.rest import Prefix, from_slots, prefixes, to_slots
 from ddp_template.data.sampler_args import as_bool, as_int, as_positions, resolve_world
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.sampler_state import resume_point, state_of
@@ -101,14 +102,14 @@ class ShardSampler(DistributedSampler[int]):
         num_replicas, rank = resolve_world(num_replicas, rank)
         super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last=rule.drops_tail)
         self.rule, self.mode = rule, mode
-        self.dataset_size = len(dataset)
+        self.base_size = self.dataset_size = len(dataset)
         if permutation == "auto":
-            big = self.dataset_size >= AUTO_FEISTEL_THRESHOLD
+            big = self.base_size >= AUTO_FEISTEL_THRESHOLD
             permutation = "feistel" if big else "randperm"
         self.permutation = str(permutation)
-        self.epoch_length = rule.length(self.dataset_size, num_replicas)
-        self.num_samples = self.length_of(rank)
-        self.total_size = rule.total(self.dataset_size, num_replicas)
+        # An epoch resumed at another world size: (epoch, its prefixes' records, their chain).
+        self._rest: tuple[int, list[dict[str, Any]], list[Prefix]] | None = None
+        self._lay_out()
         self.next_yielded: int | None = None  # a pending resume offset, for the next __iter__
         self.yielded = 0
         self._iterator_token: object | None = None
@@ -121,6 +122,49 @@ class ShardSampler(DistributedSampler[int]):
         if epoch != self.epoch:  # an iterator still running over the old epoch stops counting
             self.next_yielded, self.yielded, self._iterator_token = None, 0, None
         self.epoch = epoch
+        self._lay_out()
+
+    def continue_epoch(self, epoch: int, prior: list[dict[str, Any]]) -> None:
+        """Deal only the rest of ``epoch``: what the prefixes in ``prior`` (records of
+        ``data.rest.Prefix``, oldest first: each read at another world size) left unread."""
+        epoch = as_int("epoch", epoch)
+        records = [{k: p[k] for k in ("world_size", "position", "complete")} for p in prior]
+        self._rest = (epoch, records, prefixes(self.rule, self.base_size, records))
+        self._lay_out()
+
+    @property
+    def prior(self) -> list[dict[str, Any]]:
+        """The current epoch's prefixes read at other world sizes (none in a plain epoch)."""
+        return list(self._rest[1]) if self._rest and self._rest[0] == self.epoch else []
+
+    def prefix_sampler(self, i: int) -> ShardSampler:
+        """The sampler that dealt this epoch's ``i``-th prefix (its world size, rank 0): what
+        the old ranks' ledgers are checked against."""
+        prior = self.prior
+        sampler = ShardSampler(
+            range(self.base_size),
+            prior[i]["world_size"],
+            0,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            mode=self.mode,
+            permutation=self.permutation,
+        )
+        sampler.set_epoch(self.epoch)
+        if i:
+            sampler.continue_epoch(self.epoch, prior[:i])
+        return sampler
+
+    def _chain(self) -> list[Prefix]:
+        return self._rest[2] if self._rest and self._rest[0] == self.epoch else []
+
+    def _lay_out(self) -> None:
+        """The lengths of the current epoch: over N samples, or over the M its prefixes left."""
+        chain = self._chain()
+        self.dataset_size = chain[-1].size if chain else self.base_size
+        self.epoch_length = self.rule.length(self.dataset_size, self.num_replicas)
+        self.num_samples = self.length_of(self.rank)
+        self.total_size = self.rule.total(self.dataset_size, self.num_replicas)
 
     def __len__(self) -> int:
         """Number of indices the next __iter__ yields (less than num_samples after a resume)."""
@@ -158,15 +202,15 @@ class ShardSampler(DistributedSampler[int]):
     # ----------------------------------------------------------------- index arithmetic
     def _permutation(self) -> Any:
         """The epoch's permutation: None (identity), a randperm array or a FeistelPermutation."""
-        if not self.shuffle or self.dataset_size == 0:
+        if not self.shuffle or self.base_size == 0:
             return None
         if self._perm_cache is None or self._perm_cache[0] != self.epoch:
             if self.permutation == "randperm":
                 g = torch.Generator()
                 g.manual_seed(self.seed + self.epoch)  # exactly DistributedSampler's seeding
-                perm: Any = torch.randperm(self.dataset_size, generator=g).numpy()
+                perm: Any = torch.randperm(self.base_size, generator=g).numpy()
             else:
-                perm = FeistelPermutation(self.dataset_size, self.seed, self.epoch)
+                perm = FeistelPermutation(self.base_size, self.seed, self.epoch)
             self._perm_cache = (self.epoch, perm)
         return self._perm_cache[1]
 
@@ -195,8 +239,11 @@ class ShardSampler(DistributedSampler[int]):
         return self.rule.slots(positions, rank, self.epoch_length, self.num_replicas)
 
     def _lookup(self, slots: np.ndarray, perm: Any) -> np.ndarray:
-        """Dataset index held by each global slot: perm(slot mod N)."""
+        """Dataset index held by each global slot: perm(slot mod N) (after a resize, the slot
+        of the epoch the rest's slot mod M stands for)."""
         base = slots % self.dataset_size if self.dataset_size else slots
+        if chain := self._chain():
+            base = to_slots(chain, base)
         if perm is None:
             return base
         return perm[base] if isinstance(perm, np.ndarray) else perm(base)
@@ -210,8 +257,8 @@ class ShardSampler(DistributedSampler[int]):
         """Every (rank, position) of this epoch reading dataset ``index``: slot perm^-1(index)
         and its padding repeats every N slots; O(1) without shuffling or with Feistel."""
         index = as_int("index", index)
-        if not 0 <= index < self.dataset_size:
-            raise IndexError(f"index={index} is outside the dataset [0, {self.dataset_size}).")
+        if not 0 <= index < self.base_size:
+            raise IndexError(f"index={index} is outside the dataset [0, {self.base_size}).")
         perm = self._permutation()
         if perm is None:
             first = index
@@ -219,6 +266,10 @@ class ShardSampler(DistributedSampler[int]):
             first = int(np.flatnonzero(perm == index)[0])
         else:
             first = int(perm.inverse(index))
+        if chain := self._chain():  # -1: a prefix read it before the resize
+            first = int(from_slots(chain, np.array([first], dtype=np.int64))[0])
+            if first < 0:
+                return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         slots = np.arange(first, self.total_size, self.dataset_size, dtype=np.int64)
         return self.rule.owners(slots, self.epoch_length, self.num_replicas)
 
@@ -257,4 +308,12 @@ class ShardSampler(DistributedSampler[int]):
         epoch, position = resume_point(self, state)
         if epoch is not None:
             self.epoch = epoch
+        if state.get("prior"):
+            self.continue_epoch(self.epoch, state["prior"])
+        self._lay_out()
+        if position > self.epoch_length:
+            raise ValueError(
+                f"Sampler state_dict position {position} is outside the rest of epoch "
+                f"{self.epoch} [0, {self.epoch_length}]; the state does not belong to this sampler."
+            )
         self.next_yielded = position

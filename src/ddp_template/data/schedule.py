@@ -40,15 +40,6 @@ class StepBatch(NamedTuple):
         return np.arange(self.start, self.stop, dtype=np.int64)
 
 
-class Hit(NamedTuple):
-    """One step at which a rank trained on a given dataset index."""
-
-    epoch: int
-    step: int
-    rank: int
-    position: int
-
-
 @dataclass(frozen=True, kw_only=True)
 class StepSchedule:
     length: int  # L: positions per rank per epoch (the longest list: ShardSampler.epoch_length)
@@ -65,16 +56,21 @@ class StepSchedule:
         return self.rank_lengths or (self.length,)
 
     @classmethod
-    def of_run(cls, cfg: Any, *, length: int, rank_lengths: tuple[int, ...]) -> StepSchedule:
-        """The run's one schedule (``train.build`` and ``replay`` both read it): ``cfg`` is
+    def of_run(
+        cls, cfg: Any, *, length: int, rank_lengths: tuple[int, ...], steps_before: int = 0
+    ) -> StepSchedule:
+        """The run's schedule (``train.build`` and ``replay`` both read it): ``cfg`` is
         the run's ``Config``, ``length`` its sampler's positions per rank (the longest list),
-        ``rank_lengths`` each rank's own where they differ (``sampler=exact``)."""
+        ``rank_lengths`` each rank's own where they differ (``sampler=exact``). The rest of an
+        epoch resumed at another world size has its own (``length`` of the rest's lists), capped
+        at what ``max_steps_per_epoch`` leaves after the ``steps_before`` it ran already."""
+        cap = cfg.max_steps_per_epoch
         return cls(
             length=length,
             rank_lengths=rank_lengths,
             batch_size=cfg.loader.batch_size,
             epochs=cfg.epochs,
-            max_steps_per_epoch=cfg.max_steps_per_epoch,
+            max_steps_per_epoch=None if cap is None else max(0, cap - steps_before),
             drop_last_batch=cfg.sampler.drop_last_batch,
             accumulate=cfg.optim.accumulate,
         )
@@ -165,19 +161,3 @@ class StepSchedule:
             f"step={step} is outside this run's steps [1, {self.total_steps}] ({self.epochs} "
             f"epochs of {self.steps_per_epoch} steps); pass a step in that range."
         )
-
-    def hits(self, sampler: Any, index: int) -> list[Hit]:
-        """Every (epoch, step, rank, position) at which ``index`` was trained on.
-
-        Sets ``sampler``'s epoch in turn; ``sampler.locate`` finds the slots holding the index
-        (O(1) per epoch for the identity and Feistel, O(N) for randperm).
-        """
-        found: list[Hit] = []
-        for epoch in range(self.epochs):
-            sampler.set_epoch(epoch)
-            ranks, positions = sampler.locate(index)
-            read = positions < self.consumed_per_epoch
-            steps = epoch * self.steps_per_epoch + positions[read] // self.step_size + 1
-            rows = zip(ranks[read].tolist(), positions[read].tolist(), steps.tolist(), strict=True)
-            found += [Hit(epoch, step, rank, pos) for rank, pos, step in rows]
-        return sorted(found, key=lambda h: (h.step, h.rank))

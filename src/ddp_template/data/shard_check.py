@@ -56,14 +56,22 @@ def epoch_metrics(
 
 
 def verify_epoch(
-    stats: Any, sampler: Any, start: int, metrics: dict[str, Any], info: DistInfo
+    stats: Any,
+    sampler: Any,
+    start: int,
+    metrics: dict[str, Any],
+    info: DistInfo,
+    prior: list[dict[str, Any]] = (),
 ) -> dict[str, Any] | None:
     """Check this rank's epoch, gather every rank's row: the report on rank 0, None elsewhere.
 
     A collective: call it on every rank. ``start`` is the sampler position the epoch began at
-    (non-zero after a mid-epoch resume).
+    (non-zero after a mid-epoch resume); ``prior`` the epoch's prefixes read at other world
+    sizes (``TrainState.prior``), whose old ranks' ledgers the ranks check in turn.
     """
-    rows = gather_objects(own_check(stats, sampler, start, metrics, rank=info.rank), info)
+    row = own_check(stats, sampler, start, metrics, rank=info.rank)
+    row["prior"] = prior_checks(sampler, prior, rank=info.rank)
+    rows = gather_objects(row, info)
     lists = None
     # Every rank holds the same rows, so every rank takes (or skips) this second collective.
     if not all_match(rows) and all(row["kept"] for row in rows):
@@ -99,20 +107,56 @@ def own_check(
     return row
 
 
+def prior_checks(sampler: Any, prior: list[dict[str, Any]], *, rank: int) -> list[dict]:
+    """The old ranks' ledgers of this epoch's prefixes against what their samplers defined:
+    old rank q is checked by rank q mod W (O(prefix / W) per rank)."""
+    checks = []
+    for i, prefix in enumerate(prior):
+        old = sampler.prefix_sampler(i)
+        for q in range(rank, old.num_replicas, sampler.num_replicas):
+            ledger = prefix["ledgers"][q]
+            count = min(int(ledger["samples"]), old.length_of(q))
+            row = {"segment": i, "world_size": old.num_replicas, "rank": q}
+            row |= {"samples": int(ledger["samples"]), "fingerprint": int(ledger["fingerprint"])}
+            checks.append(row | {"expected": expected_fingerprint(old, q, 0, count)})
+    return checks
+
+
 def epoch_report(
     sampler: Any, rows: list[dict[str, Any]], lists: list[np.ndarray] | None = None
 ) -> dict[str, Any]:
     """Rank 0's report from every rank's ``own_check`` row (and, after a mismatch, the ranks'
-    index lists): O(W) work, plus O(N) only on the mismatch path with lists."""
+    index lists): O(W) work, plus O(N) only on the mismatch path with lists. After a resume at
+    another world size the report covers the whole epoch: the prefixes' old ranks too."""
     expected = agreed_expectations(rows)
+    prior = sorted((p for row in rows for p in row.get("prior", [])), key=_segment_rank)
     if lists is None:
         observed, coverage = rows, None
         if all_match(rows):
             coverage = derived_coverage(sampler, [(row["start"], row["samples"]) for row in rows])
+            coverage = with_prior_coverage(sampler, coverage, prior)
     else:
         observed = [{**row, "indices": idx} for row, idx in zip(rows, lists, strict=True)]
         coverage = None
-    report = shard_report(sampler.mode, sampler.dataset_size, observed, expected, coverage=coverage)
+    report = shard_report(sampler.mode, sampler.base_size, observed, expected, coverage=coverage)
+    if prior:
+        report["prior"] = [
+            {k: p[k] for k in ("world_size", "rank", "samples")}
+            | {"fingerprint": fingerprint_hex(p["fingerprint"])}
+            | {"matches": p["fingerprint"] == p["expected"]}
+            for p in prior
+        ]
+        report["total_samples"] += sum(p["samples"] for p in prior)
+        wrong = [
+            f"rank {p['rank']} of the {p['world_size']}-rank launch saw indices that differ "
+            f"from its {sampler.mode} shard"
+            for p in prior
+            if p["fingerprint"] != p["expected"]
+        ]
+        if wrong:
+            verdict = report["verdict"]
+            problems = ([] if verdict == "ok" else [verdict.removeprefix("MISMATCH: ")]) + wrong
+            report["verdict"] = "MISMATCH: " + "; ".join(problems)
     step_times = [row["step_s"] for row in rows]
     slowest = max(range(len(step_times)), key=step_times.__getitem__)
     fastest = min(step_times)
@@ -179,6 +223,32 @@ def definition(sampler: Any, probes: int = DEFINITION_PROBES) -> tuple[Any, ...]
         pairs = splitmix64(sampler.index_at(positions, r)) ^ slots
         digest = (digest + fingerprint_sum(pairs)) & _M64
     return (sampler.mode, sampler.dataset_size, world, length, digest)
+
+
+def _segment_rank(check: dict[str, Any]) -> tuple[int, int]:
+    return check["segment"], check["rank"]
+
+
+def with_prior_coverage(
+    sampler: Any, coverage: dict[str, Any], prior: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The rest's derived coverage joined with its prefixes' (disjoint by construction: a
+    rest holds only what its prefix left unread), as a fraction of the whole dataset."""
+    if not prior or any(p["fingerprint"] != p["expected"] for p in prior):
+        return coverage if not prior else None
+    parts = [coverage]
+    for i in sorted({p["segment"] for p in prior}):
+        old = sampler.prefix_sampler(i)
+        counts = {p["rank"]: p["samples"] for p in prior if p["segment"] == i}
+        ranges = [(0, min(counts[q], old.length_of(q))) for q in range(old.num_replicas)]
+        parts.append(derived_coverage(old, ranges))
+    covered = sum(part["covered"] for part in parts)
+    return {
+        "coverage": covered / sampler.base_size if sampler.base_size else 0.0,
+        "covered": covered,
+        "overlap": sum(part["overlap"] for part in parts),
+        "repeats": sum(part["repeats"] for part in parts),
+    }
 
 
 def derived_coverage(sampler: Any, ranges: list[tuple[int, int]]) -> dict[str, Any]:

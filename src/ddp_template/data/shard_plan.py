@@ -169,6 +169,14 @@ class PlanSampler(ShardSampler):
     def _permutation(self) -> Any:
         return self.order(self.epoch)
 
+    def continue_epoch(self, epoch: int, prior: list[dict[str, Any]]) -> None:
+        raise Misfit(
+            "sharded data's plan cuts each epoch's stream into ranges per rank and loader "
+            "worker, so the rest of a mid-epoch checkpoint's epoch cannot be dealt to another "
+            "world size; resume with the world size it was written with, or from an epoch-end "
+            "checkpoint (resume=<run dir>/checkpoints/epoch_<k>.pt)."
+        )
+
     def order(self, epoch: int) -> np.ndarray:
         """The stream of ``epoch`` (the last one asked for is cached)."""
         if self._perm_cache is None or self._perm_cache[0] != epoch:
