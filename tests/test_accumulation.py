@@ -10,6 +10,7 @@ the two runs must end with the same weights up to float rounding. The same runs 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -125,9 +126,14 @@ def test_accumulation_equals_the_big_batch_and_resumes_bit_identically(tmp_path:
 def test_resume_with_another_accumulate_is_refused(tmp_path: Path) -> None:
     """A mid-epoch position of K=2 need not be a step boundary of K=3: one sentence, no load."""
     path = tmp_path / "last.pt"
-    saved = Progress(state=TrainState(epoch=1, step=5, position=32), accumulate=2)
+
+    def progress(state: TrainState, accumulate: int) -> Progress:
+        schedule = StepSchedule(length=100, batch_size=16, epochs=2, accumulate=accumulate)
+        return Progress(state=state, trainer=SimpleNamespace(schedule=schedule))
+
+    saved = progress(TrainState(epoch=1, step=5, position=32), accumulate=2)
     found = Found(path, {"world_size": 1, "progress": saved.state_dict(), "ranks": [{}]})
-    mine = {"progress": Progress(state=TrainState(), accumulate=3)}
+    mine = {"progress": progress(TrainState(), accumulate=3)}
     alone = cpu_rank(0, 1, backend=None)
     with pytest.raises(ConfigError, match=r"accumulate=2 but this run has optim.accumulate=3"):
         restore(found, parts=mine, rank_parts={}, info=alone)

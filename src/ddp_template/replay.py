@@ -112,7 +112,7 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
         raise ConfigError(f"run dir {run_dir} does not exist; pass the directory of a run.")
     cfg = _config(run_dir)
     segments = read_segments(run_dir)
-    world = segments[0]["world_size"] if segments else _world_size(run_dir, world_size)
+    world = _world_size(run_dir, world_size, segments)
     train = build_splits(cfg.data).train
     rule = SAMPLER_MODES[str(cfg.sampler.mode)]
     schedule = StepSchedule.of_run(
@@ -188,8 +188,10 @@ def _config(run_dir: Path) -> Config:
     return boundary.typed(merged)
 
 
-def _world_size(run_dir: Path, given: int | None) -> int:
-    recorded = _recorded_world_size(run_dir)
+def _world_size(run_dir: Path, given: int | None, segments: list[dict[str, Any]]) -> int:
+    """The (first segment's) world size: recorded, or ``given`` for a run dir without one."""
+    recorded = segments[0]["world_size"] if segments else _recorded_world_size(run_dir)
+    sizes = " → ".join(str(s["world_size"]) for s in segments) or str(recorded)
     if given is None:
         if recorded is None:
             raise ConfigError(
@@ -201,7 +203,7 @@ def _world_size(run_dir: Path, given: int | None) -> int:
         raise ConfigError(f"--world-size {given} is not a number of ranks; pass 1 or more.")
     if recorded is not None and given != recorded:
         raise ConfigError(
-            f"--world-size {given} contradicts the {recorded} ranks run dir {run_dir} records; "
+            f"--world-size {given} contradicts the {sizes} ranks run dir {run_dir} records; "
             f"drop --world-size."
         )
     return given
