@@ -35,7 +35,10 @@ from ddp_template.data.loader import (
 from ddp_template.data.schedule import StepSchedule
 from ddp_template.data.shard_check import epoch_metrics, verify_epoch
 from ddp_template.data.splits import build_splits
+from ddp_template.data.stream_audit import verify_stream
+from ddp_template.data.streams import check_run, is_stream
 from ddp_template.data.transforms import apply_transforms
+from ddp_template.data.uneven import Agreement, StreamSchedule
 from ddp_template.ema import build_ema
 from ddp_template.engine import (
     EpochStats,
@@ -81,7 +84,11 @@ class Built(NamedTuple):
 def build(cfg: Config, info: distributed.DistInfo) -> Built:
     """Data (+augmentation) → sampler → loaders → model (+SyncBN) → switches (EMA) → DDP →
     compile → optimizer → evaluation."""
-    splits = apply_transforms(build_splits(cfg.data), cfg.transforms, cfg.seed)
+    splits = build_splits(cfg.data)
+    stream = is_stream(splits.train)  # your own IterableDataset: read as it comes, audited by key
+    if stream:
+        check_run(cfg, splits)
+    splits = apply_transforms(splits, cfg.transforms, cfg.seed)
     sampler = build_train_sampler(
         splits.train, cfg.sampler, seed=cfg.seed, info=info, loader=cfg.loader
     )
@@ -93,7 +100,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         drop_last=cfg.sampler.drop_last_batch,
         info=info,
     )
-    schedule = StepSchedule.of_run(  # optimizer steps: optim.accumulate micro-batches each
+    schedule = (StreamSchedule if stream else StepSchedule).of_run(  # optim.accumulate each
         cfg, length=sampler.epoch_length, rank_lengths=sampler.rank_lengths
     )
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
@@ -121,8 +128,9 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         grad_clip=cfg.optim.grad_clip,
         log_every=cfg.log_every,
         schedule=schedule,
-        keep_indices=len(splits.train) <= cfg.shard_report_max_n,
+        keep_indices=sampler.dataset_size <= cfg.shard_report_max_n,
         label_smoothing=cfg.loss.label_smoothing,
+        uneven=Agreement(info=info, workers=max(cfg.loader.num_workers, 1)) if stream else None,
     )
     evaluation = build_evaluation(
         final=str(cfg.eval_split),
@@ -235,7 +243,11 @@ def account(
     epoch, step = state.epoch, state.step
     metrics = epoch_metrics(stats, tr.sampler, start, epoch, carried=state.carried)
     logger.log_epoch(metrics, step)  # a collective with one W&B run
-    report = verify_epoch(stats, tr.sampler, start, metrics, tr.info)  # a collective
+    if tr.uneven is not None:  # a stream: audited by key, per (rank, worker); a collective
+        unread, expected = tr.uneven.unread, tr.sampler.expected
+        report = verify_stream(stats.tally, unread, expected, metrics["perf/step_s"], tr.info)
+    else:
+        report = verify_epoch(stats, tr.sampler, start, metrics, tr.info)  # a collective
     if report is not None:
         logger.log_shard_report(report, epoch, step)
 
@@ -289,7 +301,8 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
                 "effective global batch %d (batch_size x world size x accumulate)", global_batch
             )
             logger.log({"train/global_batch": global_batch}, state.step)
-        picture = draw_shards_async(built.trainer.sampler, run.run_dir) if info.is_main else None
+        planned = info.is_main and built.trainer.uneven is None  # a stream has no layout to draw
+        picture = draw_shards_async(built.trainer.sampler, run.run_dir) if planned else None
         result = fit(cfg, built, state, ckpt, logger)
         logger.finish_run(result, built.splits, state.step, picture)
         exit_code = 0

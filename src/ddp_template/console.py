@@ -50,7 +50,7 @@ def report_lines(report: dict[str, Any], epoch: int) -> list[str]:
         f"fingerprint {w['fingerprint']}{'' if w['matches'] else '  <-- MISMATCH'}"
         for w in report.get("workers", [])
     ]
-    for tail in ("pads", "drops"):
+    for tail in ("pads", "drops", "unread"):
         if report.get(tail):
             lines.append(f"  {tail}: {', '.join(report[tail][:20])}")
     if "coverage" in report:
@@ -72,6 +72,7 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
 
 
 def split_sizes(splits: Any) -> dict[str, int]:
-    """The size of every split (0 for no validation split)."""
+    """The size of every split (0 for no validation split; a stream's only where it has one)."""
     val = len(splits.val) if splits.val is not None else 0
-    return {"train_size": len(splits.train), "test_size": len(splits.test), "val_size": val}
+    sizes = {"test_size": len(splits.test), "val_size": val}
+    return sizes if not hasattr(splits.train, "__len__") else {"train_size": len(splits.train), **sizes}
