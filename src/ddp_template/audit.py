@@ -103,7 +103,9 @@ class Audited:
         report = key_report(
             [keys for keys, _, _ in rows],
             expected=self.expected,
-            before=None if all(b is None for b in befores) else [b for b in befores if b is not None],
+            before=None
+            if all(b is None for b in befores)
+            else [b for b in befores if b is not None],
         )
         times = [s for *_, s in rows]
         report["slowest_rank"] = max(range(len(times)), key=times.__getitem__)

@@ -40,8 +40,9 @@ def report_lines(report: dict[str, Any], epoch: int) -> list[str]:
         f"epoch {epoch} shards ({report['mode']}, N={report['dataset_size']}): "
         f"verdict {report['verdict']}"
     ]
+    repeated = "read twice" if report["mode"] == "stream" else "padded"  # a stream has no pads
     lines += [
-        f"  rank {r['rank']}: {r['samples']} samples, {r['duplicates']} padded, "
+        f"  rank {r['rank']}: {r['samples']} samples, {r['duplicates']} {repeated}, "
         f"fingerprint {r['fingerprint']}{'' if r['matches'] else '  <-- MISMATCH'}"
         for r in report["ranks"]
     ]
@@ -75,4 +76,8 @@ def split_sizes(splits: Any) -> dict[str, int]:
     """The size of every split (0 for no validation split; a stream's only where it has one)."""
     val = len(splits.val) if splits.val is not None else 0
     sizes = {"test_size": len(splits.test), "val_size": val}
-    return sizes if not hasattr(splits.train, "__len__") else {"train_size": len(splits.train), **sizes}
+    return (
+        sizes
+        if not hasattr(splits.train, "__len__")
+        else {"train_size": len(splits.train), **sizes}
+    )

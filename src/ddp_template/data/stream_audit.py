@@ -25,6 +25,10 @@ NAMED = 12  # keys named per (rank, worker) in the verdict and the report
 PAIRS = 64  # (rank, worker) pairs that the overlap is resolved between (a bit mask per key)
 
 
+def _samples(n: int) -> str:
+    return f"{n} sample{'' if n == 1 else 's'}"
+
+
 def worker_rows(keys: list[list[np.ndarray]]) -> list[dict[str, Any]]:
     return [
         {"rank": r, "worker": k, "samples": len(a), "fingerprint": fingerprint_sum(a)}
@@ -55,8 +59,8 @@ def key_report(
         row["matches"] = not row["duplicates"]
         if row["duplicates"]:
             problems.append(
-                f"rank {row['rank']} worker {row['worker']} read {row['duplicates']} samples "
-                f"more than once"
+                f"rank {row['rank']} worker {row['worker']} read "
+                f"{_samples(row['duplicates'])} more than once"
             )
     overlap = 0
     if len(flat) <= PAIRS and len(uniq):
@@ -74,7 +78,7 @@ def key_report(
         replayed = len(np.intersect1d(earlier, uniq, assume_unique=True))
         if replayed:
             problems.append(
-                f"{replayed} samples replayed: read before the resume and again after it (the "
+                f"{_samples(replayed)} replayed: read before the resume and again after it (the "
                 f"stream restarted instead of resuming where it stood)"
             )
         uniq = np.union1d(uniq, earlier)
@@ -89,7 +93,7 @@ def key_report(
             if n
         ]
         problems.append(
-            f"{unread_total} samples left unread: all ranks stopped when rank "
+            f"{_samples(unread_total)} left unread: all ranks stopped when rank "
             f"{', '.join(map(str, ran_out)) or '?'} ran out (uneven ends): " + "; ".join(named)
         )
     report: dict[str, Any] = {
@@ -110,7 +114,7 @@ def key_report(
             missing = len(np.setdiff1d(expected.hashes, uniq, assume_unique=True))
             stray = len(np.setdiff1d(uniq, expected.hashes, assume_unique=True))
             if stray:
-                problems.append(f"{stray} samples read whose keys the expected key set lacks")
+                problems.append(f"{_samples(stray)} read whose keys the expected key set lacks")
         else:
             missing = max(expected.count - len(uniq), 0)
         missing -= min(missing, unread_total)
@@ -124,7 +128,7 @@ def key_report(
         for k, (_, names) in enumerate(rank)
         for name in names
     ]
-    report["verdict"] = "ok" if not problems else "SHARD MISMATCH: " + "; ".join(problems)
+    report["verdict"] = "ok" if not problems else "MISMATCH: " + "; ".join(problems)
     report["hint"] = "a stream's (rank, worker)s read overlapping, repeated or too few samples"
     return report
 
@@ -144,25 +148,26 @@ def _overlaps(
         n = sum(c for _, c in shared)
         if n == total:
             return [
-                f"every rank read the same {n} samples: the stream is not split by rank "
+                f"every rank read the same {_samples(n)}: the stream is not split by rank "
                 f"(split_dataset_by_node / wds.split_by_node forgotten?)"
             ]
-    problems = []
+    split_by_worker_missing = {}
     for r in range(world):
         own = [p for p, (rank, _) in enumerate(pairs) if rank == r]
         if workers < 2 or len(own) < 2:
             continue
-        mine = [(set(b) & set(own), c) for b, c in zip(bits, counts, strict=True)]
-        mine = [(b, int(c)) for b, c in mine if b]
+        mine = [(set(b) & set(own), int(c)) for b, c in zip(bits, counts, strict=True)]
+        mine = [(b, c) for b, c in mine if b]
         if mine and all(len(b) == len(own) for b, _ in mine):
-            n = sum(c for _, c in mine)
-            problems.append(
-                f"rank {r}: each of its {n} samples was read by all {len(own)} loader workers "
-                f"({len(own)}x each): the stream is not split by worker (wds.split_by_worker "
-                f"forgotten? a dataset that ignores get_worker_info?)"
-            )
-    if problems:
-        return problems
+            split_by_worker_missing[r] = (sum(c for _, c in mine), len(own))
+    if split_by_worker_missing:
+        ranks = ", ".join(map(str, split_by_worker_missing))
+        each = "; ".join(f"{n} samples {k}x" for n, k in split_by_worker_missing.values())
+        return [
+            f"on rank {ranks} every sample was read by each loader worker ({each}): the "
+            f"stream is not split by worker (wds.split_by_worker forgotten? a dataset that "
+            f"ignores get_worker_info?)"
+        ]
     between: dict[tuple[int, int], int] = {}
     for b, c in shared:
         for i, p in enumerate(b):
@@ -171,7 +176,7 @@ def _overlaps(
     named = sorted(between.items(), key=lambda kv: -kv[1])
     lines = [
         f"rank {pairs[p][0]} worker {pairs[p][1]} and rank {pairs[q][0]} worker {pairs[q][1]} "
-        f"read the same {n} samples"
+        f"read the same {_samples(n)}"
         for (p, q), n in named[:8]
     ]
     if len(named) > 8:

@@ -104,8 +104,10 @@ class Expected:
             return cls(source)
         if isinstance(source, (str, Path)):
             return cls.of(Path(source).read_text().split())
-        if isinstance(source, Sequence) or isinstance(source, np.ndarray):
-            hashes = np.unique(np.array([key_hash(k) for k in source], dtype=np.int64))
+        if isinstance(source, (Sequence, np.ndarray)):
+            ints = isinstance(source, range) or np.asarray(source).dtype.kind in "iu"
+            keys = source if ints else [key_hash(k) for k in source]
+            hashes = np.unique(np.asarray(keys, dtype=np.int64))
             return cls(len(hashes), hashes)
         for attr in ("expected_keys", "num_rows"):
             if getattr(source, attr, None) is not None:
@@ -122,7 +124,9 @@ def check_stream(train: Any) -> None:
     try:
         item = next(iter(train))
     except StopIteration:
-        raise ConfigError(f"the training stream ({what}) yields no item; check its files.") from None
+        raise ConfigError(
+            f"the training stream ({what}) yields no item; check its files."
+        ) from None
     fix = (
         "an IterableDataset for training must yield (x, y, key), the key an int index or a "
         "string id (WebDataset's __key__, an id column), so each rank's samples can be counted"
