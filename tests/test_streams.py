@@ -183,6 +183,33 @@ def test_a_stream_without_a_key_is_refused_in_one_sentence() -> None:
         audited(DataLoader(digits().train), key=2)
 
 
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("sampler=exact", "sampler.mode=exact has no effect on a training stream"),
+        ("transforms=cifar", "augment and normalise in the stream itself"),
+        ("checkpoint.every_steps=5", "a stream cannot resume mid-epoch"),
+        ("eval_split=train", "a stream cannot be evaluated exactly"),
+    ],
+)
+def test_options_a_stream_cannot_honour_are_refused_in_one_sentence(override, says) -> None:
+    from conftest import compose_conf
+
+    from ddp_template import boundary
+    from ddp_template.data.contract import Splits
+    from ddp_template.data.streams import StreamPosition, check_run
+
+    cfg = boundary.typed(compose_conf(override))
+    base = digits()
+    with pytest.raises(ConfigError, match=says):
+        check_run(cfg, Splits(Pairs(), base.test, base.info))
+    check_run(boundary.typed(compose_conf()), Splits(Pairs(), base.test, base.info))  # defaults
+    position = StreamPosition(expected=None, world_size=W, batch_size=32, workers=K)
+    position.load_state_dict(position.state_dict(0))  # an epoch end's checkpoint resumes
+    with pytest.raises(Exception, match="mid-epoch .* of a stream"):
+        position.load_state_dict(position.state_dict(64))
+
+
 # --- real launches: 2 ranks x 2 loader workers -------------------------------------------------
 
 
