@@ -35,7 +35,10 @@ from ddp_template.data.loader import (
 from ddp_template.data.schedule import StepSchedule
 from ddp_template.data.shard_check import epoch_metrics, verify_epoch
 from ddp_template.data.splits import build_splits
+from ddp_template.data.stream_audit import verify_stream
+from ddp_template.data.streams import check_run, is_stream
 from ddp_template.data.transforms import apply_transforms
+from ddp_template.data.uneven import Agreement, StreamSchedule
 from ddp_template.elastic import Resize, plan_resize, record_segment
 from ddp_template.ema import build_ema
 from ddp_template.engine import (
@@ -82,7 +85,11 @@ class Built(NamedTuple):
 def build(cfg: Config, info: distributed.DistInfo) -> Built:
     """Data (+augmentation) → sampler → loaders → model (+SyncBN) → switches (EMA) → DDP →
     compile → optimizer → evaluation."""
-    splits = apply_transforms(build_splits(cfg.data), cfg.transforms, cfg.seed)
+    splits = build_splits(cfg.data)
+    stream = is_stream(splits.train)  # your own IterableDataset: read as it comes, audited by key
+    if stream:
+        check_run(cfg, splits)
+    splits = apply_transforms(splits, cfg.transforms, cfg.seed)
     sampler = build_train_sampler(
         splits.train, cfg.sampler, seed=cfg.seed, info=info, loader=cfg.loader
     )
@@ -94,7 +101,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         drop_last=cfg.sampler.drop_last_batch,
         info=info,
     )
-    schedule = StepSchedule.of_run(  # optimizer steps: optim.accumulate micro-batches each
+    schedule = (StreamSchedule if stream else StepSchedule).of_run(  # optim.accumulate each
         cfg, length=sampler.epoch_length, rank_lengths=sampler.rank_lengths
     )
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
@@ -122,8 +129,9 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         grad_clip=cfg.optim.grad_clip,
         log_every=cfg.log_every,
         schedule=schedule,
-        keep_indices=len(splits.train) <= cfg.shard_report_max_n,
+        keep_indices=sampler.dataset_size <= cfg.shard_report_max_n,
         label_smoothing=cfg.loss.label_smoothing,
+        uneven=Agreement(info=info, workers=max(cfg.loader.num_workers, 1)) if stream else None,
     )
     evaluation = build_evaluation(
         final=str(cfg.eval_split),
@@ -240,7 +248,8 @@ def fit(
 def set_epoch(cfg: Config, built: Built, state: TrainState) -> None:
     tr, epoch = built.trainer, state.epoch
     tr.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-    tr.schedule = epoch_schedule(cfg, tr, state)  # after an elastic resume: the rest's
+    if tr.uneven is None:  # a planned epoch (after an elastic resume: the rest of it)
+        tr.schedule = epoch_schedule(cfg, tr, state)
     built.splits.set_epoch(epoch)  # augmentation draws from (seed, epoch, index)
     reseed_for_epoch(tr.loader, cfg.seed, tr.info.rank, epoch)
 
@@ -264,7 +273,12 @@ def account(
     epoch, step = state.epoch, state.step
     metrics = epoch_metrics(stats, tr.sampler, start, epoch, carried=state.carried)
     logger.log_epoch(metrics, step)  # a collective with one W&B run
-    report = verify_epoch(stats, tr.sampler, start, metrics, tr.info, state.prior)  # collective
+    if tr.uneven is not None:  # a stream: audited by key, per (rank, worker); a collective
+        unread, expected = tr.uneven.unread, tr.sampler.expected
+        report = verify_stream(stats.tally, unread, expected, metrics["perf/step_s"], tr.info)
+    else:
+        prior = state.prior  # the epoch's prefixes read at other world sizes
+        report = verify_epoch(stats, tr.sampler, start, metrics, tr.info, prior)  # a collective
     if report is not None:
         logger.log_shard_report(report, epoch, step)
 
@@ -325,7 +339,8 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
                 "effective global batch %d (batch_size x world size x accumulate)", global_batch
             )
             logger.log({"train/global_batch": global_batch}, state.step)
-        picture = draw_shards_async(built.trainer.sampler, run.run_dir) if info.is_main else None
+        planned = info.is_main and built.trainer.uneven is None  # a stream has no layout to draw
+        picture = draw_shards_async(built.trainer.sampler, run.run_dir) if planned else None
         result = fit(cfg, built, state, ckpt, logger)
         logger.finish_run(result, built.splits, state.step, picture)
         exit_code = 0

@@ -40,8 +40,9 @@ def report_lines(report: dict[str, Any], epoch: int) -> list[str]:
         f"epoch {epoch} shards ({report['mode']}, N={report['dataset_size']}): "
         f"verdict {report['verdict']}"
     ]
+    repeated = "read twice" if report["mode"] == "stream" else "padded"  # a stream has no pads
     lines += [
-        f"  rank {r['rank']}: {r['samples']} samples, {r['duplicates']} padded, "
+        f"  rank {r['rank']}: {r['samples']} samples, {r['duplicates']} {repeated}, "
         f"fingerprint {r['fingerprint']}{'' if r['matches'] else '  <-- MISMATCH'}"
         for r in report["ranks"]
     ]
@@ -55,7 +56,7 @@ def report_lines(report: dict[str, Any], epoch: int) -> list[str]:
         f"fingerprint {p['fingerprint']}{'' if p['matches'] else '  <-- MISMATCH'}"
         for p in report.get("prior", [])
     ]
-    for tail in ("pads", "drops"):
+    for tail in ("pads", "drops", "unread"):
         if report.get(tail):
             lines.append(f"  {tail}: {', '.join(report[tail][:20])}")
     if "coverage" in report:
@@ -77,6 +78,11 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
 
 
 def split_sizes(splits: Any) -> dict[str, int]:
-    """The size of every split (0 for no validation split)."""
+    """The size of every split (0 for no validation split; a stream's only where it has one)."""
     val = len(splits.val) if splits.val is not None else 0
-    return {"train_size": len(splits.train), "test_size": len(splits.test), "val_size": val}
+    sizes = {"test_size": len(splits.test), "val_size": val}
+    return (
+        sizes
+        if not hasattr(splits.train, "__len__")
+        else {"train_size": len(splits.train), **sizes}
+    )

@@ -66,6 +66,7 @@ class Trainer:
     schedule: StepSchedule | None = None  # which micro-batches make each optimizer step
     keep_indices: bool = False
     label_smoothing: float = 0.0
+    uneven: Any = None  # a stream's per-step agreement (data.uneven.Agreement); None: planned
 
     @property
     def ddp(self) -> DDP | None:
@@ -207,13 +208,16 @@ def train_one_epoch(
     loss_acc = torch.zeros((), device=tr.info.device)  # sum of loss x batch size
     interval_t, interval_n, interval_start = time.perf_counter(), 0, loss_acc.clone()
     start = waited = time.perf_counter()
-    batches = micro_batches(tr.loader, tr.schedule, state.position, tr.info.rank)
-    for (x, y, idx), weight, last in batches:
+    if tr.uneven is None:
+        batches = micro_batches(tr.loader, tr.schedule, state.position, tr.info.rank)
+    else:
+        batches = tr.uneven.micro_batches(tr.loader, tr.schedule, state.position)
+    for (x, y, idx, *worker), weight, last in batches:  # a stream's batches name their worker
         stats.data_wait_s += time.perf_counter() - waited
         x = x.to(tr.info.device, non_blocking=True)
         y = y.to(tr.info.device, non_blocking=True)
         loss = _forward_backward(tr, x, y, weight, sync=last)
-        stats.tally.add(idx.numpy())
+        stats.tally.add(idx.numpy(), *worker)
         loss_acc += loss * len(idx)
         interval_n += len(idx)
         if not last:

@@ -215,9 +215,9 @@ class RankLogger:
             "perf/step_s_max_over_min": report["step_s_max_over_min"],
             "perf/slowest_rank": report["slowest_rank"],
         }
-        for key in ("coverage", "overlap", "repeats"):
+        for key in ("coverage", "overlap", "repeats", "unread_samples", "replayed"):
             if key in report:
-                summary[f"shards/{key}"] = report[key]
+                summary[f"shards/{key.removesuffix('_samples')}"] = report[key]
         self.log(summary, step)
         rows = report["ranks"]
         if self._epoch_ranks is not None:  # one run: every rank's epoch numbers in its row
@@ -229,12 +229,12 @@ class RankLogger:
             self.log_table("shards/prior", report["prior"], step)
         log.info("\n".join(report_lines(report, epoch)))
         if report["verdict"] != "ok":
-            log.warning(
-                "SHARD MISMATCH in epoch %d: %s — a rank saw data its sampler mode does not "
-                "define (wrong seed on one rank? missing set_epoch? custom sampler?)",
-                epoch,
-                report["verdict"],
+            hint = report.get(
+                "hint",
+                "a rank saw data its sampler mode does not define (wrong seed on one rank? "
+                "missing set_epoch? custom sampler?)",
             )
+            log.warning("SHARD MISMATCH in epoch %d: %s — %s", epoch, report["verdict"], hint)
             self._alert_once("SHARD MISMATCH", f"epoch {epoch}: {report['verdict']}")
         ratio, limit = report["step_s_max_over_min"], self.cfg.straggler_alert
         if limit is not None and ratio > limit:

@@ -41,7 +41,8 @@ class IndexTally:
     Batches are hashed in chunks of ``FOLD`` batches rather than one by one: per-batch numpy
     calls on tiny arrays cost microseconds that a small model's step notices. With ``workers``
     > 1 it also keeps a count and a fingerprint per loader worker: a DataLoader hands batches
-    out round robin, so batch ``b`` came from worker ``(first_worker + b) mod workers``.
+    out round robin, so batch ``b`` came from worker ``(first_worker + b) mod workers``, unless
+    ``add`` is told the worker (a stream's batches say which worker read them).
     """
 
     keep: bool = False  # keep the indices themselves (small N: exact coverage/overlap report)
@@ -57,6 +58,7 @@ class IndexTally:
     worker_samples: list[int] = field(default_factory=list)
     _worker_fp: list[int] = field(default_factory=list)
     _pending_workers: list[int] = field(default_factory=list)
+    kept_workers: list[np.ndarray] = field(default_factory=list)
 
     FOLD = 256
 
@@ -64,13 +66,14 @@ class IndexTally:
         self.worker_samples = [0] * self.workers
         self._worker_fp = [0] * self.workers
 
-    def add(self, indices: np.ndarray) -> None:
+    def add(self, indices: np.ndarray, worker: int | None = None) -> None:
         if len(indices) == 0:
             return
         if self.samples == 0:
             self.first_index = int(indices[0])
         self.last_index = int(indices[-1])
-        worker = (self.first_worker + self.batches) % self.workers
+        if worker is None:
+            worker = (self.first_worker + self.batches) % self.workers
         self.worker_samples[worker] += len(indices)
         self._pending_workers.append(worker)
         self.samples += len(indices)
@@ -83,8 +86,8 @@ class IndexTally:
         if not self._pending:
             return
         chunk = np.concatenate(self._pending).astype(np.int64, copy=False)
+        owner = np.repeat(self._pending_workers, [len(p) for p in self._pending])
         if self.workers > 1:
-            owner = np.repeat(self._pending_workers, [len(p) for p in self._pending])
             for w in range(self.workers):
                 own = fingerprint_sum(chunk[owner == w])
                 self._worker_fp[w] = (self._worker_fp[w] + own) & (2**64 - 1)
@@ -93,6 +96,7 @@ class IndexTally:
         self._fp = (self._fp + fingerprint_sum(chunk)) & (2**64 - 1)
         if self.keep:
             self.kept.append(chunk)
+            self.kept_workers.append(owner)
 
     @property
     def fp(self) -> int:
@@ -109,6 +113,14 @@ class IndexTally:
     def indices(self) -> np.ndarray:
         self._fold()
         return np.concatenate(self.kept) if self.kept else np.zeros(0, dtype=np.int64)
+
+    def worker_indices(self) -> list[np.ndarray]:
+        """The kept indices of each loader worker."""
+        every, owner = self.indices(), self._owners()
+        return [every[owner == w] for w in range(self.workers)]
+
+    def _owners(self) -> np.ndarray:
+        return np.concatenate(self.kept_workers) if self.kept_workers else np.zeros(0, np.int64)
 
 
 def join_ledgers(before: dict[str, Any] | None, tally: IndexTally) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShardSampler
 from ddp_template.data.shard_plan import PlanSampler, Stream
 from ddp_template.data.sharded import PlanReader, sharded_source
+from ddp_template.data.streams import Expected, StreamPosition, TagCollate, Tagged, is_stream
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
 from ddp_template.preload import loaded_modules, modules_of
@@ -127,7 +128,15 @@ def build_train_sampler(
 ) -> ShardSampler:
     """The ``sampler`` group's builder; the run's ``seed`` unless ``sampler.seed`` is set.
     Sharded data (``data=webdataset``) gets the epoch plan of ``loader``'s batches and
-    workers (``PlanSampler``)."""
+    workers (``PlanSampler``); a stream (an ``IterableDataset``), which the template does not
+    sample, a ``StreamPosition``."""
+    if is_stream(dataset):
+        return StreamPosition(
+            expected=Expected.of(dataset),
+            world_size=info.world_size,
+            batch_size=(loader or LoaderConfig()).batch_size,
+            workers=(loader or LoaderConfig()).num_workers,
+        )
     if SAMPLER_MODES[str(cfg.mode)].drops_tail and info.world_size > len(dataset):
         raise ConfigError(
             f"sampler={cfg.mode} with {info.world_size} ranks and only {len(dataset)} training "
@@ -177,6 +186,14 @@ def build_train_loader(
     """The ``loader`` group's training loader; ``drop_last`` is ``sampler.drop_last_batch``."""
     generator = torch.Generator()
     generator.manual_seed(worker_seed(seed, info.rank, 0))
+    if isinstance(sampler, StreamPosition):
+        source = Tagged(dataset, key=2)  # (x, y, key) items, tagged by the worker reading them
+        kwargs = _loader_kwargs(cfg, info.device, source)
+        # Fresh workers each epoch: only they see the epoch the stream was given (set_epoch).
+        kwargs.update(collate_fn=TagCollate(collate), persistent_workers=False)
+        return DataLoader(
+            source, batch_size=cfg.batch_size, drop_last=drop_last, generator=generator, **kwargs
+        )
     if isinstance(sampler, PlanSampler):  # the workers read the plan's ranges themselves
         samples, augment = sharded_source(dataset)
         source, sampling = PlanReader(samples, sampler, augment=augment), {}

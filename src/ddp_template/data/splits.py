@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ddp_template.data.contract import IndexedSubset, Splits
+from ddp_template.data.streams import check_stream, is_stream
 from ddp_template.errors import ConfigError, instantiate_clean
 
 SPLIT_KEYS = ("val_fraction",)  # data keys build_splits applies itself (not the factory's)
@@ -26,6 +27,15 @@ def build_splits(data_cfg: Any) -> Splits:
             f"data._target_={data_cfg.get('_target_')} returned {type(splits).__name__}; a data "
             f"factory must return ddp_template.data.contract.Splits(train, test, info)."
         )
+    if is_stream(splits.train):  # your own IterableDataset: no length, its items checked
+        check_stream(splits.train)
+        if val_fraction > 0:
+            raise ConfigError(
+                f"data.val_fraction={val_fraction} needs a map-style training set to carve from "
+                f"and data._target_={data_cfg.get('_target_')} returned a stream; return a val "
+                f"split from the factory instead, and drop data.val_fraction."
+            )
+        return splits
     if len(splits.train) == 0:
         raise ConfigError("the training set is empty; check data.path / data.size.")
     if val_fraction > 0:

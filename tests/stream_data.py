@@ -1,0 +1,81 @@
+"""Training streams a forker brings: ``data`` factories returning an ``IterableDataset``
+(tests/test_streams.py registers them as ``data`` options through a conf folder of its own).
+
+* ``digits_stream``: the digits' training set as a stream that splits itself by rank and
+  (``split_by_worker``) by loader worker; its keys are the indices, all expected.
+* ``no_key_stream``: the same, yielding ``(x, y)``: nothing to account with.
+* ``parquet_stream``: Hugging Face ``datasets`` streaming from local Parquet files (pixels,
+  label, a string ``id``), split by rank with ``split_dataset_by_node`` or not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ddp_template.data.builtin import digits
+from ddp_template.data.contract import Splits
+
+
+def _rank() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class DigitsStream(IterableDataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, split_by_worker: bool, key: bool) -> None:
+        self.x, self.y, self.split_by_worker, self.key = x, y, split_by_worker, key
+        self.rank, self.world = _rank()  # in the rank, before its loader workers start
+        self.expected_keys = range(len(y))
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for i in range(self.rank, len(self.y), self.world):
+            if self.split_by_worker and (i // self.world) % workers != worker:
+                continue
+            yield (self.x[i], int(self.y[i]), i) if self.key else (self.x[i], int(self.y[i]))
+
+
+def digits_stream(split_by_worker: bool = True) -> Splits:
+    base = digits()
+    train = DigitsStream(base.train.x, base.train.y, split_by_worker, key=True)
+    return Splits(train, base.test, base.info)
+
+
+def no_key_stream() -> Splits:
+    base = digits()
+    return Splits(DigitsStream(base.train.x, base.train.y, True, key=False), base.test, base.info)
+
+
+class Rows(IterableDataset):
+    """A Hugging Face streaming dataset's rows as ``(x, y, id)``."""
+
+    def __init__(self, rows, num_rows: int) -> None:
+        self.rows, self.num_rows = rows, num_rows
+
+    def __iter__(self):
+        for row in self.rows:
+            yield torch.tensor(row["pixels"]).view(1, 8, 8), int(row["label"]), row["id"]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.rows.set_epoch(epoch)
+
+
+def parquet_stream(path: str, split_by_node: bool = True) -> Splits:
+    import pyarrow.parquet as pq
+    from datasets import load_dataset
+    from datasets.distributed import split_dataset_by_node
+
+    files = sorted(str(p) for p in Path(path).glob("*.parquet"))
+    rows = load_dataset("parquet", data_files=files, split="train", streaming=True)
+    if split_by_node:
+        rank, world = _rank()
+        rows = split_dataset_by_node(rows, rank=rank, world_size=world)
+    num_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    base = digits()
+    return Splits(Rows(rows, num_rows), base.test, base.info)
