@@ -4,6 +4,7 @@ kept or scaled, and replay answering across the change."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from collections import Counter
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import PY, cpu_rank, jsonl, run, run_env, summary, train_cmd
+from helpers import cpu_rank, jsonl, run, run_env, summary, train_cmd
 
 from ddp_template.checkpoint import Found
 from ddp_template.choices import GlobalBatch, OnResize
@@ -225,15 +226,12 @@ def test_resumed_at_three_ranks_scaling_the_global_batch(interrupted, tmp_path: 
 
 
 # ----------------------------------------------------------------------------- N = 10,000,000
-def _peak_rss_mb(cmd: list[str], name: str) -> float:
-    """The largest resident set of any process ``cmd`` started (its ranks), in MiB."""
-    probe = (
-        "import resource, subprocess, sys; "
-        "code = subprocess.run(sys.argv[1:]).returncode; "
-        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024); sys.exit(code)"
+def _peak_rss_mib(run_dir: Path, world: int) -> float:
+    """The largest peak resident memory of the run's ranks (``rank<r>/process.json``)."""
+    return max(
+        json.loads((run_dir / f"rank{r}/process.json").read_text())["peak_rss_mib"]
+        for r in range(world)
     )
-    proc = run([PY, "-c", probe, *cmd], env=run_env(RUN_ID=name), timeout=300)
-    return float(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("sampler", ["sampler=sequential", "sampler.permutation=feistel"])
@@ -265,8 +263,9 @@ def test_ten_million_samples_resume_at_three_ranks_in_constant_memory(
             check=False,
         )
         assert proc.returncode != 0, proc.stderr[-2000:]
-        peaks[n] = _peak_rss_mb(train_cmd(tmp_path, *data, "dist.nproc=3"), name)
+        run(train_cmd(tmp_path, *data, "dist.nproc=3"), env=run_env(RUN_ID=name))
         run_dir = tmp_path / "outputs" / name
+        peaks[n] = _peak_rss_mib(run_dir, world=3)
         epoch0 = _epoch_ends(run_dir)[0][1]
         assert epoch0["shards/verdict_ok"] == 1 and epoch0["shards/total_samples"] == 8 * 48
         seen = _epoch_zero(run_dir)

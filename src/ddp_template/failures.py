@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import select
 import signal
 import socket
@@ -64,6 +65,7 @@ class Process:
     attempt: int
     created: float  # the OS's start time of the pid: a reused pid is another process
     exit: int | None = None
+    peak_rss_mib: float | None = None  # the process's peak resident memory, at its exit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +107,8 @@ def record_exit(run_dir: Path, rank: int, code: int) -> None:
     path = run_dir / f"rank{rank}" / "process.json"
     record = _read(path)
     if record is not None and record.get("pid") == os.getpid():
-        _write(path, {**record, "exit": code})
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        _write(path, {**record, "exit": code, "peak_rss_mib": round(peak, 1)})
 
 
 def _process(run_dir: Path, rank: int) -> Process | None:
