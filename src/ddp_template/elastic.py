@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +23,6 @@ from ddp_template.choices import GlobalBatch, OnResize
 from ddp_template.config import Config, ElasticConfig
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
-
-log = logging.getLogger("ddp_template")
 
 
 @dataclass(frozen=True, kw_only=True)
