@@ -11,7 +11,9 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -94,6 +96,72 @@ def _reap(token: str, grace: float) -> list[str]:
     return named
 
 
+@dataclass
+class Started:
+    """A command running in the background (see :func:`start`); :meth:`wait` ends it as
+    :func:`run` does."""
+
+    cmd: list[str]
+    popen: subprocess.Popen
+    token: str
+    out: Any
+    err: Any
+
+    def wait(
+        self, *, timeout: float = 240, check: bool = True, leftovers: float | None = 60
+    ) -> subprocess.CompletedProcess:
+        p = self.popen
+        try:
+            p.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        grace = 0 if timed_out else leftovers
+        left = [] if grace is None else _reap(self.token, grace)
+        p.wait()
+        with self.out, self.err:
+            self.out.seek(0)
+            self.err.seek(0)
+            proc = subprocess.CompletedProcess(
+                self.cmd, p.returncode, self.out.read(), self.err.read()
+            )
+        if timed_out:
+            raise AssertionError(
+                f"timed out after {timeout} s\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
+        if left:
+            raise AssertionError(
+                f"still running {leftovers} s after the run ended (killed now):\n"
+                + "\n".join(left)
+                + f"\n{proc.stderr[-3000:]}"
+            )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+            )
+        return proc
+
+
+def start(
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
+    new_session: bool = False,
+) -> Started:
+    """Start ``cmd`` in the background, its output to files, so a stray process cannot hang
+    us. ``new_session`` gives the command its own process group, as a shell does, for signals
+    sent to the group."""
+    token = uuid.uuid4().hex
+    env = {**(env or run_env()), RUN_TOKEN: token}
+    # closed by Started.wait, which reads them
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # noqa: SIM115
+    popen = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True, start_new_session=new_session
+    )
+    return Started(cmd=cmd, popen=popen, token=token, out=out, err=err)
+
+
 def run(
     cmd: list[str],
     *,
@@ -104,51 +172,14 @@ def run(
     cwd: Path = ROOT,
     new_session: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run ``cmd`` to the end; its output goes to files, so a stray process cannot hang us.
+    """Run ``cmd`` to the end.
 
     Afterwards no process it started may still run ``leftovers`` s later (a leak: orphaned loader
     workers hold memory and the terminal); ``leftovers=None`` for commands that hand work to
-    others on purpose (sbatch). On a timeout everything it started is killed. ``new_session``
-    gives the command its own process group, as a shell does, for signals sent to the group.
+    others on purpose (sbatch). On a timeout everything it started is killed.
     """
-    token = uuid.uuid4().hex
-    env = {**(env or run_env()), RUN_TOKEN: token}
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        p = subprocess.Popen(
-            cmd,
-            cwd=cwd,
-            env=env,
-            stdout=out,
-            stderr=err,
-            text=True,
-            start_new_session=new_session,
-        )
-        try:
-            p.wait(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        grace = 0 if timed_out else leftovers
-        left = [] if grace is None else _reap(token, grace)
-        p.wait()
-        out.seek(0)
-        err.seek(0)
-        proc = subprocess.CompletedProcess(cmd, p.returncode, out.read(), err.read())
-    if timed_out:
-        raise AssertionError(
-            f"timed out after {timeout} s\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        )
-    if left:
-        raise AssertionError(
-            f"still running {leftovers} s after the run ended (killed now):\n"
-            + "\n".join(left)
-            + f"\n{proc.stderr[-3000:]}"
-        )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-        )
-    return proc
+    started = start(cmd, env=env, cwd=cwd, new_session=new_session)
+    return started.wait(timeout=timeout, check=check, leftovers=leftovers)
 
 
 def assert_killed_rank_reported(proc: subprocess.CompletedProcess, rank: int, sig: str) -> None:

@@ -7,12 +7,25 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import signal
+import time
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import cpu_rank, jsonl, run, run_env, summary, train_cmd
+from helpers import (
+    TORCHRUN,
+    Started,
+    cpu_rank,
+    free_port,
+    jsonl,
+    run,
+    run_env,
+    start,
+    summary,
+    train_cmd,
+)
 
 from ddp_template.checkpoint import Found
 from ddp_template.choices import GlobalBatch, OnResize
@@ -272,3 +285,98 @@ def test_ten_million_samples_resume_at_three_ranks_in_constant_memory(
         assert len(seen) == 8 * 48 and set(seen.values()) == {1}
     print(f"peak RSS at N=1e4: {peaks[10_000]:.0f} MiB, at N=1e7: {peaks[10_000_000]:.0f} MiB")
     assert peaks[10_000_000] < peaks[10_000] + 40  # randperm(1e7) alone would add 76 MiB
+
+
+# ----------------------------------------------------------------------------- torchrun elastic
+# Two torchrun agents on localhost, one node each, as two machines would be. torch's agent
+# shares one TCPStore across rendezvous rounds by default, and a node that joins a later round
+# then waits for a MASTER_ADDR nobody publishes (pytorch/pytorch#135712): README's elastic
+# command sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and so do these agents.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _agent(port: int, rdzv_id: str, *, host: bool, last_call_s: int) -> list[str]:
+    conf = f"is_host={str(host).lower()},last_call_timeout={last_call_s}"
+    return [
+        *TORCHRUN,
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--max-restarts=3",
+        "--monitor-interval=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=localhost:{port}",
+        f"--rdzv-id={rdzv_id}",
+        f"--rdzv-conf={conf}",
+    ]
+
+
+def _wait_for(path: Path, agent: Started, timeout_s: float = 180) -> None:
+    """Until ``path`` exists (the agent still running), or fail with the agent's output."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if agent.popen.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"{path} never appeared:\n{agent.wait(check=False).stderr}")
+        time.sleep(0.2)
+
+
+def _every_epoch_ok(run_dir: Path, epochs: int) -> None:
+    """Every report ok (a preempted epoch's partial one too); one whole report an epoch, all N
+    samples once; replay lists each training index of epoch 0 exactly once."""
+    reports = [row for _, row in _epoch_ends(run_dir)]
+    assert all(r["shards/verdict_ok"] == 1 for r in reports), reports
+    whole = [r for r in reports if r["shards/coverage"] == 1.0]
+    assert [r["shards/total_samples"] for r in whole] == [N_DIGITS] * epochs, reports
+    seen = _epoch_zero(run_dir)
+    assert len(seen) == N_DIGITS and set(seen.values()) == {1}
+
+
+def test_torchrun_elastic_continues_on_the_agent_left_when_one_is_killed(tmp_path: Path) -> None:
+    """Two agents form a 2-rank run; after step 7 (checkpoint at 5) rank 1 takes its whole
+    node down (agent included, SIGKILL). The agent left restarts its worker alone: the run
+    continues at 1 rank from step 5 with the rest of epoch 0, the dead rank named, and
+    finishes with every epoch ok."""
+    port, rdzv = free_port(), "killed"
+    fault = [*CRASH, "fault.signal=SIGKILL", "fault.scope=node", "epochs=2", *DIGITS]
+    env = run_env(**ELASTIC_ENV)
+    # The first round completes as soon as both agents are in (max nodes), long before the
+    # last call. Ranks go by node (address, pid): the host, started first, is rank 0, so the
+    # node rank 1 takes down is the other one (the store's host going down ends any job).
+    a, b = (
+        start(
+            train_cmd(tmp_path, *fault, launcher=_agent(port, rdzv, host=host, last_call_s=10)),
+            env=env,
+            new_session=True,
+        )
+        for host in (True, False)
+    )
+    lost = b.wait(check=False)
+    assert lost.returncode == -signal.SIGKILL, lost.stderr[-3000:]
+    a.wait(timeout=300)
+    run_dir = tmp_path / "outputs" / rdzv
+    log = (run_dir / "train.log").read_text()
+    assert "world size 2 → 1 at step 5" in log, log[-3000:]
+    assert "rank 1 (pid" in log and "without a Python exception" in log, log[-3000:]
+    _every_epoch_ok(run_dir, epochs=2)
+    assert summary(run_dir)["world_size"] == 1
+
+
+def test_torchrun_elastic_grows_when_an_agent_joins_later(tmp_path: Path) -> None:
+    """One agent runs alone (1 rank) and holds after step 7 (checkpoint at 5), so it is still
+    training when a second agent joins: torchrun restarts the worker (its SIGTERM is a
+    preemption: checkpointed at the next check) and the two continue at 2 ranks with the rest
+    of epoch 0, every epoch ok."""
+    port, rdzv = free_port(), "joined"
+    hold = ["fault.crash_at_step=7", "fault.rank=0", "fault.hold=true", "epochs=2", *DIGITS]
+    env = run_env(**ELASTIC_ENV)
+    first = _agent(port, rdzv, host=True, last_call_s=1)
+    a = start(train_cmd(tmp_path, *hold, launcher=first), env=env, new_session=True)
+    run_dir = tmp_path / "outputs" / rdzv
+    _wait_for(run_dir / "checkpoints" / "last.pt", a)  # the step-5 checkpoint: 1 rank, held at 7
+    later = _agent(port, rdzv, host=False, last_call_s=1)
+    b = start(train_cmd(tmp_path, *hold, launcher=later), env=env, new_session=True)
+    a.wait(timeout=300)
+    b.wait(timeout=300)
+    log = (run_dir / "train.log").read_text()
+    assert "world size 1 → 2 at step" in log, log[-3000:]
+    _every_epoch_ok(run_dir, epochs=2)
+    assert summary(run_dir)["world_size"] == 2

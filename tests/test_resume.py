@@ -133,7 +133,7 @@ def test_sigkill_crash_and_ctrl_c_in_turn_each_resume_to_the_identical_model(
         "fault.crash_at_step=13",
         "fault.rank=1",
         "fault.signal=SIGINT",
-        "fault.process_group=true",
+        "fault.scope=process_group",
     ]
     proc = launch(tmp_path, "chain", "logger=none", *ctrl_c, check=False, new_session=True)
     output = proc.stdout + proc.stderr

@@ -115,6 +115,11 @@ def check(cfg: Config) -> None:
         cfg.fault.signal is None or hasattr(signal, str(cfg.fault.signal)),
         f"fault.signal={cfg.fault.signal} is not a signal name; use e.g. SIGTERM or SIGUSR1.",
     )
+    require(
+        not (cfg.fault.hold and cfg.fault.signal is not None),
+        f"fault.hold=true waits for a signal, fault.signal={cfg.fault.signal} sends one: "
+        "choose one of them.",
+    )
     _check_gpu_host(cfg)
 
 

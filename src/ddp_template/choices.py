@@ -109,6 +109,16 @@ class Norm(Choice):
     none = "none"
 
 
+class FaultScope(Choice):
+    """Who gets an injected fault's signal: the rank, its process group (as a terminal's
+    Ctrl-C: the launcher, this node's ranks, their loader workers), or its node (the launcher
+    that started it too: torchrun's agent, a lost node)."""
+
+    rank = "rank"
+    process_group = "process_group"
+    node = "node"
+
+
 class GlobalBatch(Choice):
     """At another world size: keep batch_size x W x accumulate, or the per-rank batch."""
 

@@ -21,6 +21,7 @@ from ddp_template.choices import (
     AmpMode,
     BackendName,
     EvalSplit,
+    FaultScope,
     GlobalBatch,
     LogCheckpoints,
     LoggerName,
@@ -207,7 +208,8 @@ class FaultConfig:
     crash_at_step: int | None = None
     rank: int = 0
     signal: str | None = None  # e.g. SIGTERM: send it instead of raising
-    process_group: bool = False  # send the signal to the whole process group (like Ctrl-C)
+    scope: FaultScope = FaultScope.rank  # who gets the signal: rank | process_group | node
+    hold: bool = False  # instead: stop after the step until a signal comes (a busy rank)
     attempt: int = 0  # only on this elastic restart attempt (so the restart can finish)
 
 

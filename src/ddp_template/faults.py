@@ -2,9 +2,13 @@
 
 Off by default. ``fault.crash_at_step=K fault.rank=R`` makes rank R raise after optimizer step
 K; with ``fault.signal=SIGTERM`` (or SIGUSR1, SIGKILL…) it sends itself that signal instead, or
-with ``fault.process_group=true`` sends it to its whole process group, as a terminal's Ctrl-C
-does (the launcher, every rank on this node and their loader workers).
-``fault.attempt`` limits it to one elastic restart attempt, so the restarted group can finish.
+with ``fault.scope=process_group`` sends it to its whole process group, as a terminal's Ctrl-C
+does (the launcher, every rank on this node and their loader workers), or with
+``fault.scope=node`` to the launcher that started it as well (torchrun's agent: a lost node).
+``fault.hold=true`` makes the rank stop after step K until a signal comes instead, as a rank
+still busy when torchrun's membership changes (its agent's SIGTERM then stops the run there,
+checkpointed, like any preemption). ``fault.attempt`` limits it to one elastic restart attempt,
+so the restarted group can finish.
 """
 
 from __future__ import annotations
@@ -21,11 +25,16 @@ def maybe_fire(fault: FaultConfig, step: int, rank: int) -> None:
         return
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != fault.attempt:
         return
+    if fault.hold:
+        signal.pause()  # returns once a handler has run (preemption's: the stop is agreed next)
+        return
     if fault.signal is not None:
         sig = getattr(signal, str(fault.signal))
-        if fault.process_group:
-            os.killpg(os.getpgid(0), sig)
-        else:
+        if fault.scope == "node":
+            os.kill(os.getppid(), sig)
+        if fault.scope == "rank":
             os.kill(os.getpid(), sig)
+        else:
+            os.killpg(os.getpgid(0), sig)
         return
     raise RuntimeError(f"fault injected: rank {rank} crashes after step {step}")
