@@ -87,8 +87,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     compile → optimizer → evaluation."""
     splits = build_splits(cfg.data)
     stream = is_stream(splits.train)  # your own IterableDataset: read as it comes, audited by key
-    if stream:
-        check_run(cfg, splits)
+    check_run(cfg, splits)  # what this training split cannot honour (uneven=join: a stream's)
     splits = apply_transforms(splits, cfg.transforms, cfg.seed)
     sampler = build_train_sampler(
         splits.train, cfg.sampler, seed=cfg.seed, info=info, loader=cfg.loader
@@ -321,6 +320,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         found = resume_rank0(cfg.resume, run.run_dir / "checkpoints", info)
         resize = plan_resize(cfg.elastic, found=found, run=cfg, info=info)
         cfg = resize.adjust(cfg) if resize else cfg  # its batch and accumulation from here on
+        boundary.check_join(cfg)  # uneven=join vs the accumulation a resize chose
         config = boundary.plain(cfg) | ({"resize": resize.record()} if resize else {})
         logger = RankLogger(cfg=cfg.logger, run=run, info=info, config=config)  # W&B starts
         built = build(cfg, info)  # ...while this builds

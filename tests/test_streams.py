@@ -8,7 +8,8 @@ tests/stream_data.py, registered as ``data`` options by a conf folder of the tes
 stream that shards itself trains with the verdict ok and one without a worker split is a loud
 mismatch naming every worker; Hugging Face streaming from local Parquet is ok with
 ``split_dataset_by_node``, names the overlap without it, and with 3 shards on 2 ranks ends
-without a hang, the sample left unread named by its id.
+without a hang, the sample left unread named by its id. The refusals of ``uneven=join`` need
+no launch.
 """
 
 from __future__ import annotations
@@ -324,3 +325,43 @@ def test_hugging_face_streaming_from_parquet(
         assert "rank 0 worker 0: 1 (d1437)" in proc.stdout + proc.stderr
     assert report["shards/unread"] == (shards == "three")
     assert report["shards/verdict_ok"] == (verdict == "verdict ok")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (
+            ["syncbn=on"],
+            "syncbn.enabled=true cannot run with uneven=join (SyncBatchNorm all-reduces",
+        ),
+        (["optim.accumulate=2"], "optim.accumulate=2 cannot run with uneven=join"),
+    ],
+)
+def test_uneven_join_refuses_what_join_cannot_shadow_in_one_sentence(overrides, says) -> None:
+    from conftest import compose_conf
+
+    from ddp_template import boundary
+
+    with pytest.raises(ConfigError) as err:
+        boundary.check(boundary.typed(compose_conf("uneven=join", *overrides)))
+    msg = str(err.value)
+    assert says in msg and "or uneven=stop." in msg and "\n" not in msg, msg
+    boundary.check(boundary.typed(compose_conf("uneven=stop", *overrides)))  # stop: accepted
+
+
+def test_uneven_join_on_planned_data_is_refused_in_one_sentence() -> None:
+    from conftest import compose_conf
+
+    from ddp_template import boundary
+    from ddp_template.data.contract import Splits
+    from ddp_template.data.streams import check_run
+
+    cfg = boundary.typed(compose_conf("uneven=join"))
+    base = digits()
+    with pytest.raises(ConfigError) as err:
+        check_run(cfg, base)
+    msg = str(err.value)
+    assert msg.startswith("uneven=join needs a training stream (an IterableDataset) but ")
+    assert msg.endswith("; drop uneven=join.") and msg.count(". ") == 0, msg
+    check_run(cfg, Splits(Pairs(), base.test, base.info))  # a stream: accepted
+    check_run(boundary.typed(compose_conf()), base)  # uneven=stop on planned data: no effect
