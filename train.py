@@ -52,6 +52,7 @@ from ddp_template.engine import (
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 from ddp_template.evaluation import EvalResult, Evaluation, build_evaluation
 from ddp_template.finetune import init_weights
+from ddp_template.joining import Joined
 from ddp_template.logging import RankLogger, log
 from ddp_template.models import (
     build_model,
@@ -87,8 +88,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     compile → optimizer → evaluation."""
     splits = build_splits(cfg.data)
     stream = is_stream(splits.train)  # your own IterableDataset: read as it comes, audited by key
-    if stream:
-        check_run(cfg, splits)
+    check_run(cfg, splits)  # what this training split cannot honour (uneven=join: a stream's)
     splits = apply_transforms(splits, cfg.transforms, cfg.seed)
     sampler = build_train_sampler(
         splits.train, cfg.sampler, seed=cfg.seed, info=info, loader=cfg.loader
@@ -131,7 +131,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         schedule=schedule,
         keep_indices=sampler.dataset_size <= cfg.shard_report_max_n,
         label_smoothing=cfg.loss.label_smoothing,
-        uneven=Agreement(info=info, workers=max(cfg.loader.num_workers, 1)) if stream else None,
+        uneven=uneven_ends(cfg, info, switches) if stream else None,
     )
     evaluation = build_evaluation(
         final=str(cfg.eval_split),
@@ -143,6 +143,16 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         amp_mode=str(cfg.amp.mode),
     )
     return Built(trainer, splits, evaluation, build_selection(cfg.selection), switches)
+
+
+def uneven_ends(cfg: Config, info: distributed.DistInfo, switches: dict) -> Agreement | Joined:
+    """A stream's uneven ends: all ranks stop at the first that runs out (uneven=stop), or
+    each trains on all of its data under torch's Join (uneven=join; a joined rank's switches
+    are caught up at the end with the optimizer's state)."""
+    workers = max(cfg.loader.num_workers, 1)
+    if cfg.uneven == "join":
+        return Joined(info=info, workers=workers, switches=switches)
+    return Agreement(info=info, workers=workers)
 
 
 def research_switches(cfg: Config, model: torch.nn.Module, info: distributed.DistInfo) -> dict:
@@ -225,6 +235,8 @@ def fit(
             set_epoch(cfg, built, state)
             logger.start_epoch(epoch, steps_this_epoch(tr, state))
             stats = train_one_epoch(tr, state, on_step, logger.log_interval)
+            if stats.stopped and cfg.uneven == "join":  # saved once Join caught every rank up
+                ckpt.save()
             logger.end_epoch()
             account(stats, tr, state, start, logger)
             if stats.stopped:
@@ -293,6 +305,9 @@ def step_hook(
 ) -> StepHook:
     """After every optimizer step: the switches, the logs, faults, preemption, checkpoints."""
     switches, rank = list(built.switches.values()), built.trainer.info.rank
+    # uneven=join: a rank that joined runs this hook for each step it shadows, its optimizer
+    # state stale until Join's end, so a stop's checkpoint waits for fit (after Join).
+    save_on_stop = cfg.uneven != "join"
 
     def after_step(s: TrainState) -> bool:
         for switch in switches:
@@ -301,7 +316,7 @@ def step_hook(
         profiler.step()
         faults.maybe_fire(cfg.fault, s.step, rank)
         stop = preempt.requested(s.step)  # a signal on any rank stops all at one step
-        if stop or ckpt.due(s.step):
+        if (stop and save_on_stop) or ckpt.due(s.step):
             ckpt.save()
         return stop
 
@@ -321,6 +336,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         found = resume_rank0(cfg.resume, run.run_dir / "checkpoints", info)
         resize = plan_resize(cfg.elastic, found=found, run=cfg, info=info)
         cfg = resize.adjust(cfg) if resize else cfg  # its batch and accumulation from here on
+        boundary.check_join(cfg)  # uneven=join vs the accumulation a resize chose
         config = boundary.plain(cfg) | ({"resize": resize.record()} if resize else {})
         logger = RankLogger(cfg=cfg.logger, run=run, info=info, config=config)  # W&B starts
         built = build(cfg, info)  # ...while this builds

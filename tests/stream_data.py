@@ -2,7 +2,8 @@
 (tests/test_streams.py registers them as ``data`` options through a conf folder of its own).
 
 * ``digits_stream``: the digits' training set as a stream that splits itself by rank and
-  (``split_by_worker``) by loader worker; its keys are the indices, all expected.
+  (``split_by_worker``) by loader worker; its keys are the indices, all expected. ``skewed``
+  (2 ranks): rank 0 reads every third row, rank 1 the rest, so rank 0's stream ends halfway.
 * ``no_key_stream``: the same, yielding ``(x, y)``: nothing to account with.
 * ``parquet_stream``: Hugging Face ``datasets`` streaming from local Parquet files (pixels,
   label, a string ``id``), split by rank with ``split_dataset_by_node`` or not.
@@ -27,23 +28,37 @@ def _rank() -> tuple[int, int]:
 
 
 class DigitsStream(IterableDataset):
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, split_by_worker: bool, key: bool) -> None:
+    def __init__(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        split_by_worker: bool,
+        key: bool,
+        skewed: bool = False,
+    ) -> None:
         self.x, self.y, self.split_by_worker, self.key = x, y, split_by_worker, key
         self.rank, self.world = _rank()  # in the rank, before its loader workers start
+        self.skewed = skewed
         self.expected_keys = range(len(y))
+
+    def _mine(self, i: int) -> bool:
+        if self.skewed:
+            return (i % 3 == 0) == (self.rank == 0)
+        return i % self.world == self.rank
 
     def __iter__(self):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        for i in range(self.rank, len(self.y), self.world):
-            if self.split_by_worker and (i // self.world) % workers != worker:
+        own = (i for i in range(len(self.y)) if self._mine(i))
+        for j, i in enumerate(own):
+            if self.split_by_worker and j % workers != worker:
                 continue
             yield (self.x[i], int(self.y[i]), i) if self.key else (self.x[i], int(self.y[i]))
 
 
-def digits_stream(split_by_worker: bool = True) -> Splits:
+def digits_stream(split_by_worker: bool = True, skewed: bool = False) -> Splits:
     base = digits()
-    train = DigitsStream(base.train.x, base.train.y, split_by_worker, key=True)
+    train = DigitsStream(base.train.x, base.train.y, split_by_worker, key=True, skewed=skewed)
     return Splits(train, base.test, base.info)
 
 

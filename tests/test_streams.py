@@ -8,7 +8,9 @@ tests/stream_data.py, registered as ``data`` options by a conf folder of the tes
 stream that shards itself trains with the verdict ok and one without a worker split is a loud
 mismatch naming every worker; Hugging Face streaming from local Parquet is ok with
 ``split_dataset_by_node``, names the overlap without it, and with 3 shards on 2 ranks ends
-without a hang, the sample left unread named by its id.
+without a hang, the sample left unread named by its id (``uneven=stop``) or read by the rank
+that had it while the other shadows its step (``uneven=join``); a signal to the joined rank
+during the tail stops both at one step. The refusals of ``uneven=join`` need no launch.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ddp_template.audit import audited
 from ddp_template.data.builtin import digits
 from ddp_template.data.stream_audit import key_report
 from ddp_template.data.streams import Expected, check_stream, key_hash
-from ddp_template.errors import ConfigError
+from ddp_template.errors import EXIT_PREEMPTED, ConfigError
 
 W, K = 2, 2  # ranks, loader workers per rank
 N = 1438  # the digits' training set
@@ -219,7 +221,7 @@ def conf(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("streams")
     (root / "conf" / "data").mkdir(parents=True)
     options = {
-        "own_stream": "_target_: stream_data.digits_stream\nsplit_by_worker: true\n",
+        "own_stream": "_target_: stream_data.digits_stream\nsplit_by_worker: true\nskewed: false\n",
         "no_key_stream": "_target_: stream_data.no_key_stream\n",
         "parquet_stream": "_target_: stream_data.parquet_stream\npath: ???\nsplit_by_node: true\n",
     }
@@ -324,3 +326,97 @@ def test_hugging_face_streaming_from_parquet(
         assert "rank 0 worker 0: 1 (d1437)" in proc.stdout + proc.stderr
     assert report["shards/unread"] == (shards == "three")
     assert report["shards/verdict_ok"] == (verdict == "verdict ok")
+
+
+@pytest.mark.slow
+def test_uneven_join_trains_every_rank_on_all_of_its_stream(conf, tmp_path) -> None:
+    """3 shards on 2 ranks, uneven=join: rank 1's stream ends a batch before rank 0's, it joins
+    and shadows rank 0's 24th step, and nothing is left unread; the second epoch shows both
+    ranks counted that step (their preemption checks still meet)."""
+    data = ["data=parquet_stream", f"data.path={conf / 'three'}", "uneven=join"]
+    proc = launch(conf, tmp_path, *data, "epochs=2")
+    d = assert_one_run_dir(tmp_path, W)
+    reports = shard_rows(d)
+    assert len(reports) == 2
+    for epoch, report in enumerate(reports):
+        rows = [epoch_rows(d, r)[epoch] for r in range(W)]
+        assert [row["data/batches"] for row in rows] == [24, 23]
+        assert sum(row["data/samples"] for row in rows) == N
+        assert [row["step"] for row in rows] == [24 * (epoch + 1)] * W
+        assert report["shards/verdict_ok"] == 1
+        assert report["shards/total_samples"] == N and report["shards/coverage"] == 1.0
+        assert (report["shards/unread"], report["shards/repeats"]) == (0, 0)
+    assert "left unread" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_a_signal_to_the_joined_rank_in_the_tail_stops_both_ranks_at_one_step(
+    conf, tmp_path
+) -> None:
+    """Rank 0's stream ends after 16 steps, rank 1's after 30. SIGUSR1 reaches rank 0 after
+    step 20, a step it only shadows; with checks every 2 steps its flag goes into step 20's
+    agreement, read at step 22: both ranks stop there, rank 0 checkpoints its caught-up
+    state after Join, and both exit 75."""
+    proc = launch(
+        conf,
+        tmp_path,
+        "data=own_stream",
+        "data.skewed=true",
+        "uneven=join",
+        "epochs=1",
+        "checkpoint.enabled=true",
+        "checkpoint.preempt_check_every=2",
+        "fault.crash_at_step=20",
+        "fault.rank=0",
+        "fault.signal=SIGUSR1",
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    assert "received SIGUSR1" in out and "preempted at step 22" in out, out[-3000:]
+    d = assert_one_run_dir(tmp_path, W)
+    rows = [epoch_rows(d, r)[0] for r in range(W)]
+    assert [row["data/batches"] for row in rows] == [16, 22]
+    assert [row["step"] for row in rows] == [22, 22]
+    saved = torch.load(d / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["progress"]["step"] == 22  # rank 0's own, counted while it shadowed
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (
+            ["syncbn=on"],
+            "syncbn.enabled=true cannot run with uneven=join (SyncBatchNorm all-reduces",
+        ),
+        (["optim.accumulate=2"], "optim.accumulate=2 cannot run with uneven=join"),
+    ],
+)
+def test_uneven_join_refuses_what_join_cannot_shadow_in_one_sentence(overrides, says) -> None:
+    from conftest import compose_conf
+
+    from ddp_template import boundary
+
+    with pytest.raises(ConfigError) as err:
+        boundary.check(boundary.typed(compose_conf("uneven=join", *overrides)))
+    msg = str(err.value)
+    assert says in msg and "or uneven=stop." in msg and "\n" not in msg, msg
+    boundary.check(boundary.typed(compose_conf("uneven=stop", *overrides)))  # stop: accepted
+
+
+def test_uneven_join_on_planned_data_is_refused_in_one_sentence() -> None:
+    from conftest import compose_conf
+
+    from ddp_template import boundary
+    from ddp_template.data.contract import Splits
+    from ddp_template.data.streams import check_run
+
+    cfg = boundary.typed(compose_conf("uneven=join"))
+    base = digits()
+    with pytest.raises(ConfigError) as err:
+        check_run(cfg, base)
+    msg = str(err.value)
+    assert msg.startswith("uneven=join needs a training stream (an IterableDataset) but ")
+    assert msg.endswith("; drop uneven=join.") and msg.count(". ") == 0, msg
+    check_run(cfg, Splits(Pairs(), base.test, base.info))  # a stream: accepted
+    check_run(boundary.typed(compose_conf()), base)  # uneven=stop on planned data: no effect

@@ -107,6 +107,7 @@ def check(cfg: Config) -> None:
     _check_launch(cfg)
     _check_logger(cfg)
     _check_loop(cfg)
+    check_join(cfg)
     for f in fields(cfg):  # a group's own checks live beside its schema, as its check()
         own = getattr(getattr(cfg, f.name), "check", None)
         if callable(own):
@@ -198,6 +199,26 @@ def _check_loop(cfg: Config) -> None:
     for key in ("wait", "warmup", "active"):
         value, least = getattr(cfg.profiler, key), 1 if key == "active" else 0
         require(value >= least, f"profiler.{key}={value} must be >= {least} (optimizer steps).")
+
+
+def check_join(cfg: Config) -> None:
+    """What ``uneven=join`` cannot shadow: torch's ``Join`` matches DDP's own collectives and
+    the step hook's, once per step. Also after an elastic resize, which may change accumulate."""
+    if cfg.uneven != "join":
+        return
+    require(
+        not cfg.syncbn.enabled,
+        "syncbn.enabled=true cannot run with uneven=join (SyncBatchNorm all-reduces in every "
+        "forward, which torch's Join does not shadow: a rank whose stream ended would hang the "
+        "others); set syncbn=off or uneven=stop.",
+    )
+    acc = cfg.optim.accumulate
+    require(
+        acc == 1,
+        f"optim.accumulate={acc} cannot run with uneven=join (a joined rank shadows one forward "
+        f"per optimizer step, and {acc} micro-batches a step would miscount the steps it "
+        f"shadows); set optim.accumulate=1 or uneven=stop.",
+    )
 
 
 def _check_launch(cfg: Config) -> None:

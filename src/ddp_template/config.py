@@ -33,6 +33,7 @@ from ddp_template.choices import (
     Schedule,
     StartMethod,
     SystemMetrics,
+    Uneven,
     WandbLayout,
     WandbMode,
 )
@@ -250,6 +251,10 @@ class Config:
     # The split of the final evaluation (summary.json): test, val (data.val_fraction > 0) or
     # train (without augmentation). With epochs=0 and finetune.init_from: evaluate a checkpoint.
     eval_split: EvalSplit = EvalSplit.test
+    # A training stream's uneven ends (README "Streams"): stop (all ranks stop at the first
+    # that runs out; what the others had left is counted as unread) or join (each rank trains
+    # on all of its data under torch's Join; no syncbn, optim.accumulate=1).
+    uneven: Uneven = Uneven.stop
     loss: LossConfig = field(default_factory=LossConfig)
     transforms: TransformsConfig = field(default_factory=TransformsConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)

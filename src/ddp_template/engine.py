@@ -10,6 +10,9 @@ over the samples the step really had. The loop keeps the host and the device
 apart: the loss is accumulated as a tensor and read
 (``.item()``) only at log intervals and at the end of the epoch, so no step waits for the GPU
 just to print. Every batch carries its dataset indices, which feed the rank's IndexTally.
+A stream's batches and its uneven end are ``Trainer.uneven``'s: every rank stops at one step
+(``data.uneven.Agreement``, uneven=stop), or the loop runs inside torch's ``Join`` and a rank
+whose stream ended shadows the others' steps (``joining.Joined``, uneven=join).
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ class Trainer:
     schedule: StepSchedule | None = None  # which micro-batches make each optimizer step
     keep_indices: bool = False
     label_smoothing: float = 0.0
-    uneven: Any = None  # a stream's per-step agreement (data.uneven.Agreement); None: planned
+    # A stream's uneven ends: uneven=stop's per-step agreement (data.uneven.Agreement) or
+    # uneven=join's (joining.Joined); None: planned data.
+    uneven: Any = None
 
     @property
     def ddp(self) -> DDP | None:
@@ -210,40 +215,46 @@ def train_one_epoch(
     start = waited = time.perf_counter()
     if tr.uneven is None:
         batches = micro_batches(tr.loader, tr.schedule, state.position, tr.info.rank)
+        tail: AbstractContextManager = nullcontext()
     else:
         batches = tr.uneven.micro_batches(tr.loader, tr.schedule, state.position)
-    for (x, y, idx, *worker), weight, last in batches:  # a stream's batches name their worker
-        stats.data_wait_s += time.perf_counter() - waited
-        x = x.to(tr.info.device, non_blocking=True)
-        y = y.to(tr.info.device, non_blocking=True)
-        loss = _forward_backward(tr, x, y, weight, sync=last)
-        stats.tally.add(idx.numpy(), *worker)
-        loss_acc += loss * len(idx)
-        interval_n += len(idx)
-        if not last:
+        tail = tr.uneven.tail(tr, state, on_step)  # uneven=join: Join over DDP, the hook
+    with tail as shadow:
+        for (x, y, idx, *worker), weight, last in batches:  # a stream's batches name their worker
+            stats.data_wait_s += time.perf_counter() - waited
+            x = x.to(tr.info.device, non_blocking=True)
+            y = y.to(tr.info.device, non_blocking=True)
+            loss = _forward_backward(tr, x, y, weight, sync=last)
+            stats.tally.add(idx.numpy(), *worker)
+            loss_acc += loss * len(idx)
+            interval_n += len(idx)
+            if not last:
+                waited = time.perf_counter()
+                continue
+            want_norm = (state.step + 1) % tr.log_every == 0
+            norm = _optimizer_step(tr, want_norm)
+            state.position = tr.schedule.next_boundary(state.position)  # the same on every rank
+            state.step += 1
+            stats.steps += 1
+            if want_norm:
+                now = time.perf_counter()
+                row = {
+                    "train/lr": tr.scheduler.get_last_lr()[0],
+                    "train/grad_norm": float(norm),
+                    "perf/interval_samples_per_s": interval_n / (now - interval_t),
+                }
+                if interval_n:  # sampler=exact: a rank whose list has ended has no loss to report
+                    row["train/loss"] = ((loss_acc - interval_start) / interval_n).item()
+                on_interval(row, state.step)
+                interval_t, interval_n = now, 0
+                interval_start.copy_(loss_acc)
+            if on_step(state):
+                stats.stopped = True
+                break
             waited = time.perf_counter()
-            continue
-        want_norm = (state.step + 1) % tr.log_every == 0
-        norm = _optimizer_step(tr, want_norm)
-        state.position = tr.schedule.next_boundary(state.position)  # the same on every rank
-        state.step += 1
-        stats.steps += 1
-        if want_norm:
-            now = time.perf_counter()
-            row = {
-                "train/lr": tr.scheduler.get_last_lr()[0],
-                "train/grad_norm": float(norm),
-                "perf/interval_samples_per_s": interval_n / (now - interval_t),
-            }
-            if interval_n:  # sampler=exact: a rank whose list has ended has no loss to report
-                row["train/loss"] = ((loss_acc - interval_start) / interval_n).item()
-            on_interval(row, state.step)
-            interval_t, interval_n = now, 0
-            interval_start.copy_(loss_acc)
-        if on_step(state):
-            stats.stopped = True
-            break
-        waited = time.perf_counter()
-    stats.loss_sum = float(loss_acc.item())  # waits for the device: time the whole epoch
-    stats.wall_s = time.perf_counter() - start
+        # Timed before Join's exit: a joined rank's wait for the others is not its step time.
+        stats.loss_sum = float(loss_acc.item())  # waits for the device: time the whole epoch
+        stats.wall_s = time.perf_counter() - start
+    if shadow is not None and shadow.stopped:  # a stop agreed at a step this rank shadowed
+        stats.stopped = True
     return stats

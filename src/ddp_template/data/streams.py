@@ -141,7 +141,17 @@ def check_stream(train: Any) -> None:
 
 
 def check_run(cfg: Any, splits: Any) -> None:
-    """The run's options a stream cannot honour, each refused in one sentence."""
+    """The run's options its training split cannot honour, each refused in one sentence: a
+    stream's (below) and, for planned data, ``uneven=join``."""
+    if not is_stream(splits.train):
+        if str(cfg.uneven) == "join":
+            raise ConfigError(
+                f"uneven=join needs a training stream (an IterableDataset) but "
+                f"{type(splits.train).__name__} is planned (map-style or sharded data: every "
+                f"rank's steps are dealt before the epoch, so its ends are never uneven); drop "
+                f"uneven=join."
+            )
+        return
     for name in ("test", "val"):
         if is_stream(getattr(splits, name)):
             raise ConfigError(

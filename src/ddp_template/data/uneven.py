@@ -8,12 +8,14 @@ only if all have it, and all stop at the first rank that runs out. The collectiv
 step ahead (asynchronously, on a gloo group of its own) and waited for only when that step
 begins, so its latency hides behind the current step's compute. The ranks that still had data
 read the rest of their stream without training on it, and those samples are counted and named,
-per worker, in the epoch's verdict (``data.stream_audit``).
+per worker, in the epoch's verdict (``data.stream_audit``). This is ``uneven=stop``, the
+default; ``uneven=join`` (``joining.Joined``) trains every rank on all of its data instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +83,12 @@ class Agreement:
             if ahead is None:
                 return
             step, agreed = upcoming, ahead
+
+    def tail(
+        self, trainer: Any, state: Any, on_step: Callable[[Any], bool]
+    ) -> AbstractContextManager[None]:
+        """No tail to shadow: every rank stops at the same step."""
+        return nullcontext()
 
     def _agree(self, step: list, needed: int) -> tuple[torch.Tensor, Any]:
         flag = torch.tensor([int(len(step) == needed)], dtype=torch.int32)
