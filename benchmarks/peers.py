@@ -1,7 +1,7 @@
 """The template against its peers on one job: bare DDP, Lightning and accelerate.
 
-    python benchmarks/peers.py [--rounds 5] [--epochs 6] [--nproc 2] [--out report.md]
-                               [--variants bare,none,...] [--keep DIR]
+    python benchmarks/peers.py [--rounds 7] [--epochs 6] [--nproc 2] [--out report.md]
+                               [--variants bare,none,...] [--keep DIR] [--raw runs.json]
 
 The job is ``benchmarks/bare_ddp.py``'s (the template's defaults: small_cnn on scikit-learn's
 digits, 32 samples per rank per step, SGD 0.1 / 0.9 Nesterov, weight decay on weights only, a
@@ -64,6 +64,7 @@ NAMES = {
     "accelerate": "accelerate {accelerate}, no tracker",
 }
 VARIANTS = list(NAMES)
+HEAD_TO_HEAD = [("none", "lightning"), ("wandb", "lightning_wandb"), ("none", "accelerate")]
 
 
 def parse_args() -> argparse.Namespace:
@@ -74,6 +75,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; bare always")
     p.add_argument("--out", type=Path, help="also write the Markdown report here")
     p.add_argument("--keep", type=Path, help="keep the run directories under this folder")
+    p.add_argument("--raw", type=Path, help="also write every run's figures here (JSON)")
     args = p.parse_args()
     chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(chosen) - set(VARIANTS))
@@ -241,6 +243,22 @@ def report(results, exact, args, meta) -> str:
             f"{paired(variant, lambda v, b: v['cpu_s'] / b['cpu_s'])} | "
             f"{paired(variant, lambda v, b: v['wall_s'] / b['wall_s'])} |"
         )
+    heads = [(t, o) for t, o in HEAD_TO_HEAD if t in results and o in results]
+    if heads:
+        out += ["", "Head to head, paired in each round (template ÷ peer; median, min–max):", ""]
+    for mine, theirs in heads:
+
+        def versus(fn, mine=mine, theirs=theirs) -> str:
+            pairs = zip(results[mine], results[theirs], strict=True)
+            return _cell([fn(m, t) for m, t in pairs], ".2f")
+
+        out.append(
+            f"- {NAMES[mine]} ÷ {NAMES[theirs].format(**versions)}: steady samples/s "
+            f"{versus(lambda m, t: m['sps'] / t['sps'])}, whole epoch "
+            f"{versus(lambda m, t: t['epoch_s'] / m['epoch_s'])}, first step from launch "
+            f"{versus(lambda m, t: m['first_step_s'] / t['first_step_s'])}, steady CPU/sample "
+            f"{versus(lambda m, t: m['steady_cpu'] / t['steady_cpu'])}"
+        )
     steps = {v: sorted({r["steps_per_epoch"] for r in runs}) for v, runs in results.items()}
     out += ["", f"Optimizer steps per rank and epoch: {steps}."]
     if exact:
@@ -319,6 +337,8 @@ def main() -> None:
     print("\n" + text)
     if args.out:
         args.out.write_text(text)
+    if args.raw:
+        args.raw.write_text(json.dumps({"meta": meta, "runs": results, "exact": exact}, indent=1))
 
 
 if __name__ == "__main__":
