@@ -3,7 +3,10 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
+BENCH_STAMP := $(VENV)/.bench-stamp
 NPROC  ?= 2
+ROUNDS ?= 7  # make bench: paired rounds (7: every variant once in every slot)
+EPOCHS ?= 6  # make bench: epochs of every program
 TEST_WORKERS ?= 2  # pytest-xdist workers for make test (0: one process, serially)
 
 .DEFAULT_GOAL := help
@@ -32,6 +35,13 @@ test-fast: install ## Only the fast tests (no slow end-to-end runs)
 lint: install ## ruff check and ruff format --check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+bench: $(BENCH_STAMP) ## The template against bare DDP, Lightning and accelerate (benchmarks/peers.py; ROUNDS=7 EPOCHS=6)
+	WANDB_MODE=offline $(PY) benchmarks/peers.py --rounds $(ROUNDS) --epochs $(EPOCHS) --nproc $(NPROC)
+
+$(BENCH_STAMP): $(STAMP)  # the bench extra: lightning and accelerate, for make bench only
+	$(PY) -m pip install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
 
 shards: install ## Draw the 11-samples-on-2-ranks picture for each sampler mode (docs/shards.png)
 	$(PY) -m ddp_template.shard_plot --out docs/shards.png

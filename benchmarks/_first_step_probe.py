@@ -15,7 +15,12 @@ exit, writes a JSON file to ``$PROBE_OUT`` (``{rank}`` in it becomes ``$RANK``):
   where the script calls those functions);
 * ``peak_rss_mib``: this process's peak RSS (``ru_maxrss``); ``children_peak_rss_mib``: the
   largest summed RSS of its child processes seen by a 0.5 s sampler (e.g. W&B's service);
-* ``exit_s``: seconds from process start to exit.
+* ``exit_s``: seconds from process start to exit;
+* ``cpu_s``: this process's CPU seconds at exit (``getrusage``: user + system, all its threads);
+* ``start_boottime_s``: the process start on ``CLOCK_BOOTTIME`` (null off Linux), so a launcher
+  can time the first step from its own launch;
+* with ``PROBE_STEPS=1``, ``steps``: ``[seconds from process start, CPU seconds]`` at the end of
+  every optimizer step (the hook then stays; ``benchmarks/peers.py`` uses it).
 
 Process start: ``psutil.Process().create_time()`` is derived from /proc/stat's ``btime``, an
 integer number of seconds, so it is off by up to a second (measured here: 0.46 s). The probe
@@ -39,21 +44,30 @@ import time
 
 
 def _elapsed_fn():
-    """A function giving seconds since this process started."""
+    """A function giving seconds since this process started, and the start on CLOCK_BOOTTIME."""
     try:
         with open("/proc/self/stat") as f:
             start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
         start = start_ticks / os.sysconf("SC_CLK_TCK")
-        return lambda: time.clock_gettime(time.CLOCK_BOOTTIME) - start
+        return (lambda: time.clock_gettime(time.CLOCK_BOOTTIME) - start), start
     except (OSError, ValueError, AttributeError):
         import psutil
 
         created = psutil.Process().create_time()
-        return lambda: time.time() - created
+        return (lambda: time.time() - created), None
 
 
-elapsed = _elapsed_fn()
-RESULT: dict = {"marks": {"probe": elapsed()}, "first_step_s": None}
+elapsed, _start_boottime = _elapsed_fn()
+RESULT: dict = {
+    "marks": {"probe": elapsed()},
+    "first_step_s": None,
+    "start_boottime_s": _start_boottime,
+}
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def mark(name: str) -> None:
@@ -104,7 +118,16 @@ def _install_hooks(script: str) -> None:
             RESULT["first_step_s"] = elapsed()
             handle.remove()
 
-    handle = register_optimizer_step_post_hook(first_step)
+    def every_step(optimizer, args, kwargs) -> None:
+        steps.append((elapsed(), _cpu_s()))
+        if RESULT["first_step_s"] is None:
+            RESULT["first_step_s"] = steps[0][0]
+
+    if os.environ.get("PROBE_STEPS") == "1":
+        steps = RESULT["steps"] = []
+        register_optimizer_step_post_hook(every_step)
+    else:
+        handle = register_optimizer_step_post_hook(first_step)
     _wrap(dist, "init_process_group", "pg_init", "pg_ready")
     ddp = torch.nn.parallel.DistributedDataParallel
     _wrap(ddp, "__init__", "ddp", "ddp_ready")
@@ -118,6 +141,7 @@ def _install_hooks(script: str) -> None:
 
 def _write(path: str | None, profile=None) -> None:
     RESULT["exit_s"] = elapsed()
+    RESULT["cpu_s"] = _cpu_s()
     RESULT["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     RESULT["rank"] = int(os.environ.get("RANK", "0"))
     if profile is not None:

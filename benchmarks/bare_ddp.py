@@ -48,8 +48,9 @@ from ddp_template.data.builtin import digits, synthetic  # noqa: E402
 from ddp_template.models import resnet18, small_cnn  # noqa: E402
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(description: str = __doc__.splitlines()[0]) -> argparse.ArgumentParser:
+    """The job's flags; benchmarks/lightning_ddp.py and accelerate_ddp.py add theirs to it."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.1)
@@ -59,28 +60,28 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--data", choices=["digits", "synthetic"], default="digits")
     p.add_argument("--size", type=int, default=4096, help="training samples of --data synthetic")
     p.add_argument("--out", help="JSON file per rank; {rank} is replaced by the rank")
-    return p.parse_args()
+    return p
 
 
-def main() -> None:
-    args = parse_args()
-    dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR/PORT from torchrun
-    rank, world = dist.get_rank(), dist.get_world_size()
+def build_data(args: argparse.Namespace):
+    """The job's ``Splits``: digits (the template's split), or generated images."""
+    return digits() if args.data == "digits" else synthetic(size=args.size, test_size=1)
 
-    splits = digits() if args.data == "digits" else synthetic(size=args.size, test_size=1)
-    train, info = splits.train, splits.info
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler)
 
+def build_model(args: argparse.Namespace, info) -> torch.nn.Module:
+    """The template's model, seeded so every rank starts from the same weights."""
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     factory = small_cnn if args.model == "small_cnn" else resnet18
-    model = factory(
+    return factory(
         num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size
     )
-    ddp = DDP(model)
+
+
+def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """SGD with Nesterov momentum, weight decay on weights only (as the template)."""
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    optimizer = torch.optim.SGD(
+    return torch.optim.SGD(
         [
             {"params": decay, "weight_decay": args.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
@@ -89,10 +90,29 @@ def main() -> None:
         momentum=0.9,
         nesterov=True,
     )
-    total = args.epochs * len(loader)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
+
+
+def cosine(optimizer: torch.optim.Optimizer, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The per-step cosine schedule over ``total`` optimizer steps."""
+    return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(1.0, s / total)))
     )
+
+
+def main() -> None:
+    args = parser().parse_args()
+    dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR/PORT from torchrun
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    splits = build_data(args)
+    train, info = splits.train, splits.info
+    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler)
+
+    model = build_model(args, info)
+    ddp = DDP(model)
+    optimizer = build_optimizer(model, args)
+    scheduler = cosine(optimizer, args.epochs * len(loader))
 
     first_step_s, epochs = None, []
     for epoch in range(args.epochs):

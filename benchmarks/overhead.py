@@ -34,16 +34,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PROBE = "benchmarks/_first_step_probe.py"
+from _launch import git_state, invocation, launch, run_tag
+
 MARKS = [
     "script",
     "hydra_main",
@@ -82,23 +78,9 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _torchrun(nproc: int) -> list[str]:
-    exe = Path(sys.executable).with_name("torchrun")
-    return [str(exe), "--standalone", f"--nproc-per-node={nproc}", PROBE]
-
-
 def run_once(variant: str, args: argparse.Namespace, work: Path, tag: str) -> dict:
     """One torchrun launch; returns per-rank probe results, per-epoch samples/s and wall time."""
     run_dir = work / tag
-    run_dir.mkdir(parents=True)
-    env = dict(
-        os.environ,
-        WANDB_MODE="offline",
-        PROBE_OUT=str(run_dir / "probe{rank}.json"),
-        RUN_ID=tag,
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("OMP_NUM_THREADS", None)  # torchrun sets 1 per rank for both, as users get it
     epochs = args.epochs
     if variant.endswith("bare"):
         cmd = ["benchmarks/bare_ddp.py", "--out", str(run_dir / "bare{rank}.json")]
@@ -117,18 +99,9 @@ def run_once(variant: str, args: argparse.Namespace, work: Path, tag: str) -> di
             epochs = epochs or RESNET_EPOCHS
         if epochs is not None:
             cmd.append(f"epochs={epochs}")
-    cmd = _torchrun(args.nproc) + cmd
-    load_before = os.getloadavg()[0]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    (run_dir / "output.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-3000:]
-        sys.exit(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{tail}")
+    run = launch(cmd, run_dir, args.nproc, tag)
     ranks = []
-    for r in range(args.nproc):
-        probe = json.loads((run_dir / f"probe{r}.json").read_text())
+    for r, probe in enumerate(run["probes"]):
         if variant.endswith("bare"):
             rows = json.loads((run_dir / f"bare{r}.json").read_text())["epochs"]
             sps = [row["samples_per_s"] for row in rows]
@@ -143,10 +116,10 @@ def run_once(variant: str, args: argparse.Namespace, work: Path, tag: str) -> di
         ranks.append({**probe, "epoch_sps": sps})
     return {
         "variant": variant,
-        "wall_s": wall,
-        "load": (load_before + os.getloadavg()[0]) / 2,
+        "wall_s": run["wall_s"],
+        "load": run["load"],
         "ranks": ranks,
-        "command": shlex.join(cmd),
+        "command": run["command"],
     }
 
 
@@ -185,20 +158,6 @@ def _std(values: list[float], fmt: str) -> str:
     return f"{format(mean, fmt)} ± {format(std, fmt)}"
 
 
-def _git_state() -> str:
-    """The template's commit, and which of its files differ from it (the numbers are for those)."""
-
-    def git(*a: str) -> str:
-        proc = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
-        return proc.stdout.strip()
-
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "src", "train.py", "conf")
-    files = [line[3:] for line in dirty.splitlines()]
-    return git("rev-parse", "--short", "HEAD") + (
-        f" + uncommitted changes in {', '.join(files)}" if files else " (clean)"
-    )
-
-
 def _derived(results: dict[str, list[dict]]) -> list[str]:
     """Startup costs the milestones isolate, mean over repeats (rank mean)."""
     spans = {
@@ -234,7 +193,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, command: st
     out = [
         f"Command: `{command}`",
         "",
-        f"Template at {_git_state()}.",
+        f"Template at {git_state()}.",
         "",
         f"{args.nproc} ranks, torchrun --standalone, gloo on CPU ({os.cpu_count()} cores), "
         f"{args.repeats} repeats alternating; 1-min load average during the runs: "
@@ -320,14 +279,7 @@ def _verdict(ok: bool) -> str:
 
 def main() -> None:
     args = parse_args()
-    command = shlex.join(
-        [
-            Path(sys.executable).relative_to(ROOT).as_posix()
-            if Path(sys.executable).is_relative_to(ROOT)
-            else sys.executable,
-            *sys.argv,
-        ]
-    )
+    command = invocation()
     variants = SUITES[args.suite]
     results: dict[str, list[dict]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
@@ -335,7 +287,7 @@ def main() -> None:
         for rep in range(args.repeats):
             order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
             for variant in order:
-                tag = f"{variant}-{rep}-{time.strftime('%H%M%S')}"
+                tag = run_tag(variant, rep)
                 summary = summarise(run_once(variant, args, work, tag))
                 results[variant].append(summary)
                 print(

@@ -1,0 +1,84 @@
+"""What the launching benchmarks share: one torchrun launch of a script under the probe.
+
+``benchmarks/overhead.py`` and ``benchmarks/peers.py`` start every program the same way:
+``torchrun --standalone --nproc-per-node=N benchmarks/_first_step_probe.py SCRIPT ARGS`` from the
+repository root, W&B offline, torchrun's own ``OMP_NUM_THREADS=1`` per rank, and read each
+rank's probe JSON back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = "benchmarks/_first_step_probe.py"
+
+
+def torchrun(nproc: int) -> list[str]:
+    exe = Path(sys.executable).with_name("torchrun")
+    return [str(exe), "--standalone", f"--nproc-per-node={nproc}", PROBE]
+
+
+def launch(script: list[str], run_dir: Path, nproc: int, tag: str, **env_extra: str) -> dict:
+    """Run ``script`` (path and arguments) on ``nproc`` ranks; exit with its output's tail if it
+    fails. Returns the wall time, the mean 1-min load before and after, the launch on
+    ``CLOCK_BOOTTIME``, each rank's probe result and the command."""
+    run_dir.mkdir(parents=True)
+    env = dict(
+        os.environ,
+        WANDB_MODE="offline",
+        PROBE_OUT=str(run_dir / "probe{rank}.json"),
+        RUN_ID=tag,
+        PYTHONUNBUFFERED="1",
+        **env_extra,
+    )
+    env.pop("OMP_NUM_THREADS", None)  # torchrun sets 1 per rank for every program, as users get it
+    cmd = torchrun(nproc) + script
+    load_before = os.getloadavg()[0]
+    launched = time.clock_gettime(time.CLOCK_BOOTTIME)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    (run_dir / "output.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        sys.exit(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{tail}")
+    probes = [json.loads((run_dir / f"probe{r}.json").read_text()) for r in range(nproc)]
+    return {
+        "wall_s": wall,
+        "load": (load_before + os.getloadavg()[0]) / 2,
+        "launched_boottime_s": launched,
+        "probes": probes,
+        "command": shlex.join(cmd),
+    }
+
+
+def git_state() -> str:
+    """The template's commit, and which of its files differ from it (the numbers are for those)."""
+
+    def git(*a: str) -> str:
+        proc = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
+        return proc.stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "src", "train.py", "conf")
+    files = [line[3:] for line in dirty.splitlines()]
+    return git("rev-parse", "--short", "HEAD") + (
+        f" + uncommitted changes in {', '.join(files)}" if files else " (clean)"
+    )
+
+
+def invocation() -> str:
+    """This benchmark's command line, the interpreter relative to the root where it lies there."""
+    exe = Path(sys.executable)
+    exe_text = exe.relative_to(ROOT).as_posix() if exe.is_relative_to(ROOT) else sys.executable
+    return shlex.join([exe_text, *sys.argv])
+
+
+def run_tag(variant: str, round_: int) -> str:
+    return f"{variant}-{round_}-{time.strftime('%H%M%S')}"
