@@ -55,7 +55,8 @@ class Resize:
         (b, a), (b2, a2) = self.batch_from, self.batch_to
         g, g2 = self.global_sizes()
         where = f"epoch {self.epoch}, " + (
-            f"the rest of it after position {self.position} dealt to {self.world_to} rank{'s' * (self.world_to != 1)}"
+            f"the rest of it after position {self.position} dealt to {self.world_to} "
+            + ("rank" if self.world_to == 1 else "ranks")
             if self.position
             else "from its start"
         )
