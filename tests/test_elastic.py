@@ -336,7 +336,7 @@ def test_torchrun_elastic_continues_on_the_agent_left_when_one_is_killed(tmp_pat
     continues at 1 rank from step 5 with the rest of epoch 0, the dead rank named, and
     finishes with every epoch ok."""
     port, rdzv = free_port(), "killed"
-    fault = [*CRASH, "fault.signal=SIGKILL", "fault.scope=node", "epochs=2", *DIGITS]
+    fault = [*CRASH, "fault.signal=SIGKILL", "fault.scope=node", "epochs=1", *DIGITS]
     env = run_env(**ELASTIC_ENV)
     # The first round completes as soon as both agents are in (max nodes), long before the
     # last call. Ranks go by node (address, pid): the host, started first, is rank 0, so the
@@ -356,7 +356,7 @@ def test_torchrun_elastic_continues_on_the_agent_left_when_one_is_killed(tmp_pat
     log = (run_dir / "train.log").read_text()
     assert "world size 2 → 1 at step 5" in log, log[-3000:]
     assert "rank 1 (pid" in log and "without a Python exception" in log, log[-3000:]
-    _every_epoch_ok(run_dir, epochs=2)
+    _every_epoch_ok(run_dir, epochs=1)
     assert summary(run_dir)["world_size"] == 1
 
 
@@ -366,7 +366,7 @@ def test_torchrun_elastic_grows_when_an_agent_joins_later(tmp_path: Path) -> Non
     preemption: checkpointed at the next check) and the two continue at 2 ranks with the rest
     of epoch 0, every epoch ok."""
     port, rdzv = free_port(), "joined"
-    hold = ["fault.crash_at_step=7", "fault.rank=0", "fault.hold=true", "epochs=2", *DIGITS]
+    hold = ["fault.crash_at_step=7", "fault.rank=0", "fault.hold=true", "epochs=1", *DIGITS]
     env = run_env(**ELASTIC_ENV)
     first = _agent(port, rdzv, host=True, last_call_s=1)
     a = start(train_cmd(tmp_path, *hold, launcher=first), env=env, new_session=True)
@@ -378,5 +378,5 @@ def test_torchrun_elastic_grows_when_an_agent_joins_later(tmp_path: Path) -> Non
     b.wait(timeout=300)
     log = (run_dir / "train.log").read_text()
     assert "world size 1 → 2 at step" in log, log[-3000:]
-    _every_epoch_ok(run_dir, epochs=2)
+    _every_epoch_ok(run_dir, epochs=1)
     assert summary(run_dir)["world_size"] == 2
