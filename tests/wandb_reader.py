@@ -133,12 +133,12 @@ def _apply_run(run: OfflineRun, rec: Any) -> None:
     _merge(run.summary, rec.summary.update, rec.summary.remove)
 
 
-def _apply(run: OfflineRun, record: Any) -> None:
+def _apply(run: OfflineRun, record: Any, config_records: list) -> None:
     kind = record.WhichOneof("record_type")
     if kind == "run":
         _apply_run(run, record.run)
-    elif kind == "config":
-        _merge(run.config, record.config.update, record.config.remove)
+    elif kind == "config":  # applied after every run record's config (read_run)
+        config_records.append(record.config)
     elif kind == "summary":
         _merge(run.summary, record.summary.update, record.summary.remove)
     elif kind == "history":
@@ -169,10 +169,15 @@ def read_run(wandb_file: Path) -> OfflineRun:
     """Decode one ``run-<id>.wandb`` file; ``config`` omits wandb's internal ``_wandb`` key."""
     path = Path(wandb_file)
     run = OfflineRun(path=path)
+    config_records: list = []
     for payload in iter_payloads(path.read_bytes()):
         record = pb.Record()
         record.ParseFromString(payload)
-        _apply(run, record)
+        _apply(run, record, config_records)
+    # A run record carries the config as of init; under load W&B can write it after a later
+    # config.update's record, so the updates go over it in their own order.
+    for config in config_records:
+        _merge(run.config, config.update, config.remove)
     run.config.pop("_wandb", None)
     return run
 
