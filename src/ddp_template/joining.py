@@ -106,7 +106,6 @@ class StepShadow(Joinable):
         super().__init__()
         self.trainer, self.state, self.on_step, self.held = trainer, state, on_step, held
         self.stopped = False  # the step hook asked to stop at a shadowed step
-        self.shadowed = 0
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return _ShadowHook(self)
@@ -124,7 +123,6 @@ class StepShadow(Joinable):
         s = self.state
         s.position = self.trainer.schedule.next_boundary(s.position)
         s.step += 1
-        self.shadowed += 1
         self.stopped |= bool(self.on_step(s))
 
     def catch_up(self, is_last_joiner: bool) -> None:
