@@ -20,7 +20,16 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_template import boundary, distributed, failures, faults, launch, numerics, run_identity
+from ddp_template import (
+    boundary,
+    distributed,
+    failures,
+    faults,
+    launch,
+    numerics,
+    quick_exit,
+    run_identity,
+)
 from ddp_template.amp import build_scaler, scaler_part
 from ddp_template.checkpoint import Checkpointer, Found, resume_rank0
 from ddp_template.config import Config, register_configs
@@ -355,8 +364,8 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
                 "effective global batch %d (batch_size x world size x accumulate)", global_batch
             )
             logger.log({"train/global_batch": global_batch}, state.step)
-        planned = info.is_main and built.trainer.uneven is None  # a stream has no layout to draw
-        picture = draw_shards_async(built.trainer.sampler, run.run_dir) if planned else None
+        draws = cfg.shard_picture and info.is_main and built.trainer.uneven is None  # streams: none
+        picture = draw_shards_async(built.trainer.sampler, run.run_dir) if draws else None
         result = fit(cfg, built, state, ckpt, logger)
         logger.finish_run(result, built.splits, state.step, picture)
         exit_code = 0
@@ -404,4 +413,4 @@ if __name__ == "__main__":
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
     sys.argv = boundary.experiment_spelling(sys.argv)
-    main()
+    quick_exit.run(main)  # main's exit status, without Python's teardown of torch (~0.5 s)

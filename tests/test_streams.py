@@ -258,7 +258,7 @@ def shard_rows(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_stream_that_shards_itself_trains_with_the_verdict_ok(conf, tmp_path) -> None:
-    proc = launch(conf, tmp_path, "data=own_stream", "epochs=2")
+    proc = launch(conf, tmp_path, "data=own_stream", "epochs=2", "shard_picture=true")
     d = assert_one_run_dir(tmp_path, W)
     for epoch in range(2):  # every epoch: fresh workers read the stream again, all of it
         rows = [epoch_rows(d, r)[epoch] for r in range(W)]

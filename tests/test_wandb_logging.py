@@ -4,7 +4,7 @@ The expected per-rank samples and fingerprints are recomputed here from torch's 
 DistributedSampler (padded, drop_last) and from the definition in docs/ARCHITECTURE.md
 (sequential), so a template that shards wrongly, forgets set_epoch or logs the wrong rank fails
 these tests. The sampler-mode runs use the default layout (per_rank for 2 ranks); the one-run
-layouts (main, and shared offline, which falls back to main) get one short run each.
+layout gets one short run (shared offline, which falls back to main).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def mode_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
             "loader.batch_size=4",
             "log_every=1",
             "logger.log_checkpoints=last",
+            "shard_picture=true",
         ),
         env=run_env(WANDB_DATA_DIR=str(out / "wandb-data")),  # W&B's artifact staging copies
     )
@@ -161,29 +162,17 @@ def test_logger_none_writes_jsonl_only(tmp_path: Path) -> None:
     run(train_cmd(tmp_path, "logger=none", "dist.nproc=2", "epochs=1", "max_steps_per_epoch=2"))
     (run_dir,) = run_dirs(tmp_path)
     assert not list(run_dir.rglob("wandb"))
+    assert not (run_dir / "shards.png").exists()  # shard_picture=false (tests' default)
     for r in range(2):
         assert any("data/samples" in x for x in jsonl(run_dir / f"rank{r}" / "metrics.jsonl"))
 
 
-def test_multirun_jobs_are_separate_groups(tmp_path: Path) -> None:
-    overrides = ["logger=wandb", "dist.nproc=2", "seed=0,1", "epochs=1", "max_steps_per_epoch=2"]
-    run(train_cmd(tmp_path, "-m", *overrides))
-    (sweep,) = run_dirs(tmp_path, "multirun")
-    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
-    assert [j.name for j in jobs] == ["0", "1"]
-    groups = []
-    for job in jobs:
-        runs = find_runs(job)
-        assert sorted(r.config["rank"] for r in runs) == [0, 1]
-        assert len({r.group for r in runs}) == 1
-        groups.append(runs[0].group)
-        assert (job / "summary.json").is_file()
-    assert len(set(groups)) == 2
-    assert not run_dirs(tmp_path, "outputs")  # no stray run directories
-
-
-def test_wandb_that_cannot_go_online_falls_back_to_offline(tmp_path: Path) -> None:
-    """No API key and a closed local port as the server: nothing leaves this machine."""
+def test_a_sweep_whose_wandb_cannot_go_online_runs_offline_one_group_per_job(
+    tmp_path: Path,
+) -> None:
+    """A 2-job sweep with no API key and a closed local port as the server: nothing leaves this
+    machine. Each rank of each job says once that W&B failed to start and trains on, and each
+    job's ranks write offline runs in one group of their own."""
     env = run_env(
         WANDB_BASE_URL="http://127.0.0.1:9",
         HOME=str(tmp_path / "home"),
@@ -191,30 +180,32 @@ def test_wandb_that_cannot_go_online_falls_back_to_offline(tmp_path: Path) -> No
     )
     env.pop("WANDB_MODE")
     env.pop("WANDB_API_KEY", None)
-    proc = run(
-        train_cmd(
-            tmp_path, "logger.mode=online", "dist.nproc=2", "epochs=1", "max_steps_per_epoch=2"
-        ),
-        env=env,
-    )
+    overrides = ["logger.mode=online", "dist.nproc=2", "seed=0,1", "epochs=1"]
+    proc = run(train_cmd(tmp_path, "-m", *overrides, "max_steps_per_epoch=2"), env=env)
     out = proc.stdout + proc.stderr
     for rank in (0, 1):
-        assert out.count(f"failed to start on rank {rank}") == 1  # said once
-    (run_dir,) = run_dirs(tmp_path)
-    runs = find_runs(run_dir)
-    assert sorted(r.config["rank"] for r in runs) == [0, 1]  # offline files, training went on
-    assert (run_dir / "summary.json").is_file()
+        assert out.count(f"failed to start on rank {rank}") == 2  # once a job
+    (sweep,) = run_dirs(tmp_path, "multirun")
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    assert [j.name for j in jobs] == ["0", "1"]
+    groups = []
+    for job in jobs:
+        runs = find_runs(job)
+        assert sorted(r.config["rank"] for r in runs) == [0, 1]  # offline files
+        assert len({r.group for r in runs}) == 1
+        groups.append(runs[0].group)
+        assert (job / "summary.json").is_file()
+    assert len(set(groups)) == 2
+    assert not run_dirs(tmp_path, "outputs")  # no stray run directories
 
 
-@pytest.fixture(scope="module", params=["main", "shared"])
-def one_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """2 ranks, 1 epoch: auto with per_rank_max=1 (so: main), or shared offline (so: main)."""
-    layout = ["logger.per_rank_max=1"] if request.param == "main" else ["logger.layout=shared"]
-    out = tmp_path_factory.mktemp(request.param)
+def test_one_run_holds_every_rank(tmp_path: Path) -> None:
+    """2 ranks, 1 epoch, shared offline, so: main, one W&B run with every rank's rows. (auto's
+    choice of main past logger.per_rank_max, and its reason, are test_wandb_layout's.)"""
     proc = run(
         train_cmd(
-            out,
-            *layout,
+            tmp_path,
+            "logger.layout=shared",
             "dist.nproc=2",
             "epochs=1",
             "data=synthetic",
@@ -225,20 +216,11 @@ def one_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             "checkpoint.enabled=false",
         )
     )
-    (run_dir,) = run_dirs(out)
-    return request.param, run_dir, proc.stdout + proc.stderr
-
-
-def test_one_run_holds_every_rank(one_run) -> None:
-    layout, run_dir, out = one_run
-    why = (
-        "auto: 2 ranks > logger.per_rank_max=1"
-        if layout == "main"
-        else "logger.layout=shared, fallen back"
-    )
-    assert f"W&B layout main ({why}" in out
+    (run_dir,) = run_dirs(tmp_path)
+    out = proc.stdout + proc.stderr
+    assert "W&B layout main (logger.layout=shared, fallen back" in out
     warning = "logger.layout=shared falls back to main: W&B's shared mode needs logger.mode=online"
-    assert out.count(warning) == (layout == "shared")
+    assert out.count(warning) == 1
     (wb,) = find_runs(run_dir)  # rank 1 starts no W&B run
     assert wb.path.is_relative_to(run_dir / "rank0" / "wandb")
     assert (wb.group, wb.name, wb.job_type) == (run_dir.name, run_dir.name, "main")

@@ -382,7 +382,7 @@ def ledger(run_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, shards) -> Path:
     out = tmp_path_factory.mktemp("ref")
-    launch(out, "ref", *shards)
+    launch(out, "ref", *shards, "shard_picture=true")
     return out / "outputs" / "ref"
 
 
