@@ -12,6 +12,10 @@ maps the modules.
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()  # no GC passes over the millions of objects torch's import allocates
+
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -78,6 +82,9 @@ from ddp_template.progress import Ledger, Progress, SamplerPosition
 from ddp_template.rng import RngState
 from ddp_template.selection import Selection, build_selection
 from ddp_template.shard_plot import draw_shards_async
+
+gc.freeze()  # what was imported lives as long as the process: out of every later pass
+gc.enable()
 
 if __name__ != "__mp_main__":  # a forked rank or loader worker re-runs this file to unpickle
     register_configs()

@@ -1,9 +1,11 @@
 """Preloaded by a fork server in test_quick_exit: writes to ``$TEARDOWN_PROBE`` when it is
-imported (with the pid), when the exit handlers run, and when Python tears the module down."""
+imported (with the pid and whether the cyclic GC is on), when the exit handlers run, and when
+Python tears the module down."""
 
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 
 
@@ -16,6 +18,6 @@ class _Probe:
 
 
 _fd = os.open(os.environ["TEARDOWN_PROBE"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-os.write(_fd, f"imported {os.getpid()}\n".encode())
+os.write(_fd, f"imported {os.getpid()} gc {gc.isenabled()}\n".encode())
 atexit.register(os.write, _fd, b"handlers ran\n")
 probe = _Probe(_fd)

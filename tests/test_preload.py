@@ -12,7 +12,7 @@ import torch
 from helpers import ROOT
 
 from ddp_template.data.transforms import Augmented
-from ddp_template.preload import SERVER_EXIT, loaded_modules, modules_of
+from ddp_template.preload import FORK_SERVER, loaded_modules, modules_of
 
 LOADER = """
 import preload_probe
@@ -61,7 +61,7 @@ def test_modules_of_names_what_unpickling_imports_without_copying_data() -> None
 def test_loaded_modules_put_the_named_first_once() -> None:
     """After the fork server's own exit (imported by nothing but a fork server's preload)."""
     names = loaded_modules("torch", "ddp_template.preload")
-    assert names[:3] == [SERVER_EXIT, "torch", "ddp_template.preload"]
-    assert SERVER_EXIT not in sys.modules
+    assert names[:3] == [FORK_SERVER, "torch", "ddp_template.preload"]
+    assert FORK_SERVER not in sys.modules
     assert len(names) == len(set(names)) and "ddp_template.data.transforms" in names
     assert all(n.split(".")[0] in {"torch", "ddp_template", "hydra", "omegaconf"} for n in names)

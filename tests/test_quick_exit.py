@@ -60,24 +60,26 @@ from multiprocessing import forkserver
 from ddp_template.preload import loaded_modules
 mp.set_forkserver_preload({preload})
 forkserver.ensure_running()
-mp.get_context("forkserver").Process(target=print, args=("forked",)).start()
+code = "import gc; print('forked, gc', gc.isenabled())"
+mp.get_context("forkserver").Process(target=exec, args=(code,)).start()
 """
 
 
-@pytest.mark.parametrize("skip_teardown", [True, False])
-def test_a_fork_server_runs_its_exit_handlers_then_skips_the_teardown(
-    skip_teardown: bool, tmp_path: Path
+@pytest.mark.parametrize("ours", [True, False])
+def test_a_fork_server_imports_without_gc_and_skips_the_teardown(
+    ours: bool, tmp_path: Path
 ) -> None:
-    """A fork server preloading ``preload.loaded_modules`` ends after its parent without tearing
-    its modules down, but with its exit handlers run; the control (the probe alone) shows that
-    the probe does see a teardown."""
+    """A fork server preloading ``preload.loaded_modules`` imports with the cyclic GC off, its
+    forks have it on, and it ends after its parent with its exit handlers run but without
+    tearing its modules down; the control (the probe alone) shows that the probe does see both."""
     probe = tmp_path / "probe.txt"
-    preload = 'loaded_modules("teardown_probe")' if skip_teardown else '["teardown_probe"]'
+    preload = 'loaded_modules("teardown_probe")' if ours else '["teardown_probe"]'
     proc = _python(SERVER.format(preload=preload), TEARDOWN_PROBE=str(probe))
-    assert proc.returncode == 0 and proc.stdout == "forked\n", proc.stderr
+    assert proc.returncode == 0 and proc.stdout == "forked, gc True\n", proc.stderr
     first, *_ = probe.read_text().splitlines()
+    assert first.endswith(f"gc {not ours}")
     server = psutil.Process(int(first.split()[1]))  # it outlives the parent until it sees EOF
     gone, alive = psutil.wait_procs([server], timeout=60)
     assert gone or alive[0].status() == psutil.STATUS_ZOMBIE, "the fork server did not end"
     said = probe.read_text().splitlines()[1:]
-    assert said == (["handlers ran"] if skip_teardown else ["handlers ran", "torn down"])
+    assert said == (["handlers ran"] if ours else ["handlers ran", "torn down"])

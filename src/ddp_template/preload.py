@@ -13,13 +13,13 @@ import sys
 from typing import Any
 
 PACKAGES = (__name__.split(".")[0], "hydra", "omegaconf")  # what train.py imports, but torch
-SERVER_EXIT = f"{PACKAGES[0]}.fork_server_exit"  # only a fork server imports it, always first
+FORK_SERVER = f"{PACKAGES[0]}.fork_server"  # only a fork server imports it, always first
 
 
 def loaded_modules(*first: str) -> list[str]:
-    """``SERVER_EXIT``, ``first``, then every module of ``PACKAGES`` this process has imported
+    """``FORK_SERVER``, ``first``, then every module of ``PACKAGES`` this process has imported
     (a copy of the names: another thread may be importing)."""
-    head = [SERVER_EXIT, *(name for name in first if name != SERVER_EXIT)]
+    head = [FORK_SERVER, *(name for name in first if name != FORK_SERVER)]
     ours = sorted(name for name in list(sys.modules) if name.split(".")[0] in PACKAGES)
     return [*head, *(name for name in ours if name not in head)]
 
