@@ -37,6 +37,11 @@ def _finish(status: int) -> NoReturn:
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
+    exit_now(status)
+
+
+def exit_now(status: int) -> NoReturn:
+    """Flush stdio and end with ``status``, running nothing else (no teardown)."""
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
             stream.flush()
