@@ -64,7 +64,7 @@ def git_state() -> str:
 
     def git(*a: str) -> str:
         proc = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
-        return proc.stdout.strip()
+        return proc.stdout.rstrip()
 
     dirty = git("status", "--porcelain", "--untracked-files=no", "--", "src", "train.py", "conf")
     files = [line[3:] for line in dirty.splitlines()]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import multiprocessing
 import os
 import signal
 import sys
@@ -20,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from ddp_template import failures
+from ddp_template import failures, forked_server
 from ddp_template.config import Config
 from ddp_template.distributed import LAUNCHER_VAR, launched_by_torchrun
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED
@@ -77,13 +76,14 @@ def launch(fn: Any, cfg: Config, run: RunInfo) -> Any:
         monitor_interval=0.1,
         start_method=str(cfg.dist.start_method),
     )
+    os.environ["RUN_ID"] = run.run_id  # workers inherit it: one id, also after restarts
+    os.environ[LAUNCHER_VAR] = "dist.nproc"
     if cfg.dist.start_method == "forkserver":
         # Each rank is then a fork of one server that has imported torch and this script once,
         # instead of a fresh interpreter importing them (seconds per rank on a small machine).
-        # torch._dynamo too: every rank's optimizer imports it (2 s each).
-        multiprocessing.set_forkserver_preload(loaded_modules("torch", "torch._dynamo"))
-    os.environ["RUN_ID"] = run.run_id  # workers inherit it: one id, also after restarts
-    os.environ[LAUNCHER_VAR] = "dist.nproc"
+        # torch._dynamo too: every rank's optimizer imports it (2 s each). The server is itself
+        # a fork of this process (after the variables above, which the ranks inherit from it).
+        forked_server.start(preload=loaded_modules("torch", "torch._dynamo"))
     _quiet_agent()
     exits = _Exits()
     try:
