@@ -20,7 +20,6 @@ def report(conn) -> None:
     server = psutil.Process().parent()
     conn.send(
         {
-            "server": server.pid,
             "server_parent": server.ppid(),
             "server_cmdline": server.cmdline(),
             "started_by": STARTED_BY,

@@ -8,10 +8,11 @@ once. What the server does afterwards is multiprocessing's own ``forkserver.main
 
 A process with Python threads running cannot be forked safely (a lock another thread holds stays
 held in the child for good): :func:`start` forks only while this is the only Python thread,
-before torch's elastic agent starts its store, and where multiprocessing's ``ForkServer`` is laid
-out as it is up to Python 3.13. Otherwise multiprocessing starts its own server, as it always
-did. Native pools (OpenBLAS, OpenMP) stop and restart around a fork by their own at-fork
-handlers, as they do for a DataLoader's forked workers.
+before torch's elastic agent starts its store, and where multiprocessing's ``ForkServer`` has
+the fields it has here and no authkey handshake (Python 3.14 adds one). Otherwise
+multiprocessing starts its own server, as it always did. Native pools (OpenBLAS, OpenMP) stop
+and restart around a fork by their own at-fork handlers, as they do for a DataLoader's forked
+workers.
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ def start(preload: list[str]) -> bool:
         if not util.is_abstract_socket_namespace(address):
             os.chmod(address, 0o600)
         listener.listen()
-        alive_r, alive_w = os.pipe()  # the server ends at EOF: once every client holding
-        pid = os.fork()  # alive_w (this process, then each rank) has exited
+        # The server ends at EOF on alive_r: once every holder of alive_w (this process, then
+        # each rank) has exited.
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
         if pid == 0:
             _serve(listener.fileno(), alive_r, alive_w, preload)
         os.close(alive_r)
