@@ -44,7 +44,7 @@ $(BENCH_STAMP): $(STAMP)  # the bench extra: lightning and accelerate, for make 
 	touch $(BENCH_STAMP)
 
 shards: install ## Draw the 11-samples-on-2-ranks picture for each sampler mode (docs/shards.png)
-	$(PY) -m ddp_template.shard_plot --out docs/shards.png
+	$(PY) -m ddp_template.sinks.share_plot --out docs/shards.png
 
 clean: ## Remove run outputs and caches (keeps .venv/)
 	rm -rf outputs multirun .pytest_cache .ruff_cache .hypothesis

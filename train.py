@@ -24,36 +24,23 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_template import (
-    boundary,
-    distributed,
-    failures,
-    faults,
-    launch,
-    numerics,
-    quick_exit,
-    run_identity,
-)
+from ddp_template import distributed, fault_injection, launch, numerics, run_identity
 from ddp_template.amp import build_scaler, scaler_part
 from ddp_template.checkpoint import Checkpointer, Found, resume_rank0
-from ddp_template.config import Config, register_configs
-from ddp_template.console import setup_console
+from ddp_template.checkpoint_parts import Ledger, Progress, SamplerPosition
+from ddp_template.config import boundary
+from ddp_template.config.schema import Config, register_configs
 from ddp_template.data.contract import Splits
+from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.data.loader import (
     build_eval_loader,
     build_train_loader,
     build_train_sampler,
     reseed_for_epoch,
 )
-from ddp_template.data.schedule import StepSchedule
-from ddp_template.data.shard_check import epoch_metrics, verify_epoch
 from ddp_template.data.splits import build_splits
-from ddp_template.data.stream_audit import verify_stream
-from ddp_template.data.streams import check_run, is_stream
 from ddp_template.data.transforms import apply_transforms
-from ddp_template.data.uneven import Agreement, StreamSchedule
 from ddp_template.elastic import Resize, plan_resize, record_segment
-from ddp_template.ema import build_ema
 from ddp_template.engine import (
     EpochStats,
     StepHook,
@@ -65,8 +52,7 @@ from ddp_template.engine import (
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 from ddp_template.evaluation import EvalResult, Evaluation, build_evaluation
 from ddp_template.finetune import init_weights
-from ddp_template.joining import Joined
-from ddp_template.logging import RankLogger, log
+from ddp_template.ledger.verify import epoch_metrics, verify_epoch
 from ddp_template.models import (
     build_model,
     check_batch_statistics,
@@ -77,11 +63,18 @@ from ddp_template.models import (
 from ddp_template.optim import build_optimizer, build_scheduler, set_horizon
 from ddp_template.parallel import build_ddp, compile_model
 from ddp_template.preemption import Preemption
+from ddp_template.process import exit_records, quick_exit
 from ddp_template.profiling import StepProfiler
-from ddp_template.progress import Ledger, Progress, SamplerPosition
 from ddp_template.rng import RngState
 from ddp_template.selection import Selection, build_selection
-from ddp_template.shard_plot import draw_shards_async
+from ddp_template.sinks.console import setup_console
+from ddp_template.sinks.metrics import RankLogger, log
+from ddp_template.sinks.share_plot import draw_shards_async
+from ddp_template.streams.contract import check_run, is_stream
+from ddp_template.streams.join import Joined
+from ddp_template.streams.stop import Agreement, StreamSteps
+from ddp_template.streams.verify import verify_stream
+from ddp_template.switches.ema import build_ema
 
 gc.freeze()  # what was imported lives as long as the process: out of every later pass
 gc.enable()
@@ -117,7 +110,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         drop_last=cfg.sampler.drop_last_batch,
         info=info,
     )
-    schedule = (StreamSchedule if stream else StepSchedule).of_run(  # optim.accumulate each
+    schedule = (StreamSteps if stream else EpochSteps).of_run(  # optim.accumulate each
         cfg, length=sampler.epoch_length, rank_lengths=sampler.rank_lengths
     )
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
@@ -282,10 +275,10 @@ def set_epoch(cfg: Config, built: Built, state: TrainState) -> None:
     reseed_for_epoch(tr.loader, cfg.seed, tr.info.rank, epoch)
 
 
-def epoch_schedule(cfg: Config, tr: Trainer, state: TrainState) -> StepSchedule:
+def epoch_schedule(cfg: Config, tr: Trainer, state: TrainState) -> EpochSteps:
     """The steps of the sampler's current epoch (the rest of it after a resize)."""
     sampler = tr.sampler
-    return StepSchedule.of_run(
+    return EpochSteps.of_run(
         cfg,
         length=sampler.epoch_length,
         rank_lengths=sampler.rank_lengths,
@@ -330,7 +323,7 @@ def step_hook(
             switch.after_step(s)
         logger.step()
         profiler.step()
-        faults.maybe_fire(cfg.fault, s.step, rank)
+        fault_injection.maybe_fire(cfg.fault, s.step, rank)
         stop = preempt.requested(s.step)  # a signal on any rank stops all at one step
         if (stop and save_on_stop) or ckpt.due(s.step):
             ckpt.save()
@@ -345,7 +338,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
     info = distributed.setup(cfg.backend)
     logger, exit_code = None, 1
     try:
-        failures.record_start(run.run_dir, info.rank)  # for a peer that outlives this rank
+        exit_records.record_start(run.run_dir, info.rank)  # for a peer that outlives this rank
         setup_console(info, run.run_dir)
         log.info("%s", info.describe())
         log.info("numerics: %s", numerics.describe())
@@ -382,7 +375,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         exit_code = EXIT_CONFIG_ERROR
         raise SystemExit(EXIT_CONFIG_ERROR) from None
     except Exception as exc:
-        failures.record_failure(run.run_dir, info.rank, exc)  # the launcher names the cause
+        exit_records.record_failure(run.run_dir, info.rank, exc)  # the launcher names the cause
         raise
     except SystemExit as exc:
         exit_code = exc.code if isinstance(exc.code, int) else 1
@@ -398,7 +391,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         finally:
             # Whatever failed above: a process that exits with its gloo group alive can abort
             # in the interpreter's shutdown ("terminate called without an active exception").
-            failures.record_exit(run.run_dir, info.rank, exit_code)
+            exit_records.record_exit(run.run_dir, info.rank, exit_code)
             distributed.teardown()
 
 

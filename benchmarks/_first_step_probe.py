@@ -132,7 +132,8 @@ def _install_hooks(script: str) -> None:
     ddp = torch.nn.parallel.DistributedDataParallel
     _wrap(ddp, "__init__", "ddp", "ddp_ready")
     if os.path.basename(script) == "train.py":  # the template's own milestones
-        from ddp_template import launch, logging
+        from ddp_template import launch
+        from ddp_template.sinks import metrics as logging
 
         _wrap(importlib.import_module("hydra.main"), "_run_hydra", "hydra_main")
         _wrap(launch, "launch", "hydra_composed")

@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from ddp_template.config import Config
-from ddp_template.data.accounting import fingerprint_sum
+from ddp_template.config.schema import Config
 from ddp_template.data.samplers import ShardSampler
-from ddp_template.data.shard_check import (
+from ddp_template.ledger.tally import fingerprint_sum
+from ddp_template.ledger.verify import (
     epoch_report,
     expected_fingerprint,
     own_check,

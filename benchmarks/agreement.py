@@ -52,9 +52,10 @@ def ranks(args: argparse.Namespace) -> None:
     from hydra import compose, initialize_config_dir
 
     import train
-    from ddp_template import boundary, distributed
-    from ddp_template.data.uneven import Agreement
+    from ddp_template import distributed
+    from ddp_template.config import boundary
     from ddp_template.engine import TrainState, train_one_epoch
+    from ddp_template.streams.stop import Agreement
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         raw = compose("config", overrides=["backend=gloo", "logger=none"])

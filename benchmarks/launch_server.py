@@ -33,8 +33,8 @@ from _launch import ROOT, git_state, invocation
 
 JOB = ["logger=none", "shard_picture=false", "backend=gloo", "epochs=1", "max_steps_per_epoch=4"]
 REFUSE_FORK = (
-    "import runpy, sys; from ddp_template import forked_server; "
-    "forked_server._forkable = lambda server: False; "
+    "import runpy, sys; from ddp_template.process import server_start; "
+    "server_start._forkable = lambda server: False; "
     "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 )
 VARIANTS = {"forked": [], "forked again": [], "spawned": ["-c", REFUSE_FORK]}

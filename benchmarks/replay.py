@@ -59,7 +59,7 @@ def write_run(folder: Path, overrides: list[str]) -> Path:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from ddp_template.config import register_configs
+    from ddp_template.config.schema import register_configs
 
     register_configs()
     base = ["data=synthetic", "loader.batch_size=32", "seed=7", "logger=none"]

@@ -2,7 +2,7 @@
 
     python benchmarks/shards.py [--rounds 5] [--samples 4096] [--out report.md]
 
-One set of PNG shards (synthetic 3x32x32 images written by ``ddp_template.data.shards``, 16
+One set of PNG shards (synthetic 3x32x32 images written by ``ddp_template.webdataset.writer``, 16
 shards of 256) is read by 2 ranks x 2 loader workers, batch 64, in three variants:
 
 * ``template``: ``data=webdataset``'s loader (``PlanSampler`` + ``PlanReader``: the epoch plan,
@@ -43,7 +43,7 @@ VARIANTS = ("template", "webdataset", "template (A/A)")
 
 
 def write_shards(folder: Path, samples: int) -> tuple[str, int]:
-    from ddp_template.data.shards import write
+    from ddp_template.webdataset.writer import write
 
     overrides = [f"data.size={samples}", "data.test_size=64", "data.image_size=32"]
     pattern, _ = write("data=synthetic", folder, 256, "png", overrides)["train"]
@@ -53,14 +53,14 @@ def write_shards(folder: Path, samples: int) -> tuple[str, int]:
 def template_epoch_s(pattern: str, rank: int) -> float:
     import torch
 
-    from ddp_template.config import LoaderConfig, SamplerConfig
-    from ddp_template.data.accounting import IndexTally
+    from ddp_template.config.schema import LoaderConfig, SamplerConfig
     from ddp_template.data.loader import build_train_loader, build_train_sampler
-    from ddp_template.data.shard_check import epoch_metrics, own_check
-    from ddp_template.data.shard_index import ShardIndex
-    from ddp_template.data.sharded import ShardSamples
     from ddp_template.distributed import DistInfo
     from ddp_template.engine import EpochStats
+    from ddp_template.ledger.tally import IndexTally
+    from ddp_template.ledger.verify import epoch_metrics, own_check
+    from ddp_template.webdataset.index import ShardIndex
+    from ddp_template.webdataset.reader import ShardSamples
 
     info = DistInfo(
         rank=rank,
@@ -90,7 +90,7 @@ def template_epoch_s(pattern: str, rank: int) -> float:
 
 def _decoded(sample: dict) -> tuple:
     """A WebDataset sample as the template decodes it (the same function, the same work)."""
-    from ddp_template.data.sharded import decode
+    from ddp_template.webdataset.reader import decode
 
     return decode("png", sample["png"]), int(sample["cls"]), sample["__key__"]
 

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from ddp_template import run_identity
-from ddp_template.config import register_configs
+from ddp_template.config.schema import register_configs
 
 register_configs()
 run_identity.register_resolvers()

@@ -1,4 +1,4 @@
-"""Starts a fork server through ``forked_server.start`` and a process from it; prints what that
+"""Starts a fork server through ``server_start.start`` and a process from it; prints what that
 process found as JSON (tests/test_forked_server.py). ``threaded`` keeps a second Python thread
 running while the server starts."""
 
@@ -11,7 +11,7 @@ import threading
 
 import psutil
 
-from ddp_template import forked_server
+from ddp_template.process import server_start
 
 STARTED_BY = os.getpid()  # a fork keeps this; a fresh server re-runs this file and gets its own
 
@@ -34,7 +34,7 @@ if __name__ == "__main__":
     release = threading.Event()
     if sys.argv[2] == "threaded":
         threading.Thread(target=release.wait).start()
-    forked = forked_server.start(preload=["wave"])
+    forked = server_start.start(preload=["wave"])
     release.set()
     ctx = mp.get_context("forkserver")
     receive, send = ctx.Pipe(duplex=False)

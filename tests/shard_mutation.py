@@ -12,7 +12,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from ddp_template.data.sharded import PlanReader
+from ddp_template.webdataset.reader import PlanReader
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
 

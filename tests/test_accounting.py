@@ -7,9 +7,10 @@ import pickle
 import numpy as np
 import pytest
 
-from ddp_template.data.accounting import IndexTally, fingerprint, fingerprint_sum
 from ddp_template.data.samplers import ShardSampler
-from ddp_template.data.shard_check import (
+from ddp_template.engine import EpochStats
+from ddp_template.ledger.tally import IndexTally, fingerprint, fingerprint_sum
+from ddp_template.ledger.verify import (
     all_match,
     derived_coverage,
     epoch_metrics,
@@ -18,7 +19,6 @@ from ddp_template.data.shard_check import (
     own_check,
     shard_report,
 )
-from ddp_template.engine import EpochStats
 
 M = 2**64 - 1
 

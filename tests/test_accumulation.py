@@ -18,11 +18,11 @@ from helpers import cpu_rank, jsonl, run, run_env, train_cmd
 from test_resume import assert_identical
 
 from ddp_template.checkpoint import Found, restore
-from ddp_template.data.schedule import StepSchedule
+from ddp_template.checkpoint_parts import Progress
+from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.engine import TrainState
 from ddp_template.errors import ConfigError
 from ddp_template.models import small_cnn
-from ddp_template.progress import Progress
 from ddp_template.replay import load_run, step_rows
 
 BASE = [
@@ -50,17 +50,17 @@ def last(out: Path, run_id: str) -> dict:
 
 
 def test_schedule_groups_micro_batches_into_steps() -> None:
-    s = StepSchedule(length=100, batch_size=16, epochs=2, accumulate=2)
+    s = EpochSteps(length=100, batch_size=16, epochs=2, accumulate=2)
     assert (s.micro_batches, s.steps_per_epoch, s.total_steps) == (7, 4, 8)
     assert [s.span(k) for k in range(4)] == [(0, 32), (32, 64), (64, 96), (96, 100)]
     assert tuple(s.batch(8)) == (8, 1, 96, 100)
-    dropped = StepSchedule(length=100, batch_size=16, epochs=1, accumulate=4, drop_last_batch=True)
+    dropped = EpochSteps(length=100, batch_size=16, epochs=1, accumulate=4, drop_last_batch=True)
     assert (dropped.steps_per_epoch, dropped.span(1), dropped.consumed_per_epoch) == (
         2,
         (64, 96),
         96,
     )
-    capped = StepSchedule(length=100, batch_size=16, epochs=1, accumulate=3, max_steps_per_epoch=2)
+    capped = EpochSteps(length=100, batch_size=16, epochs=1, accumulate=3, max_steps_per_epoch=2)
     assert capped.consumed_per_epoch == 96 and capped.span(1) == (48, 96)
 
 
@@ -128,7 +128,7 @@ def test_resume_with_another_accumulate_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "last.pt"
 
     def progress(state: TrainState, accumulate: int) -> Progress:
-        schedule = StepSchedule(length=100, batch_size=16, epochs=2, accumulate=accumulate)
+        schedule = EpochSteps(length=100, batch_size=16, epochs=2, accumulate=accumulate)
         return Progress(state=state, trainer=SimpleNamespace(schedule=schedule))
 
     saved = progress(TrainState(epoch=1, step=5, position=32), accumulate=2)
@@ -142,10 +142,10 @@ def test_resume_with_another_accumulate_is_refused(tmp_path: Path) -> None:
 
 def test_last_micro_batch_is_the_one_the_epoch_ends_with() -> None:
     """What the batch-of-one probe checks: 100 positions in batches of 16 end with 4."""
-    assert StepSchedule(length=100, batch_size=16, epochs=1).last_micro_batch == 4
-    assert StepSchedule(length=100, batch_size=16, epochs=1, accumulate=3).last_micro_batch == 4
-    capped = StepSchedule(length=100, batch_size=16, epochs=1, accumulate=2, max_steps_per_epoch=2)
+    assert EpochSteps(length=100, batch_size=16, epochs=1).last_micro_batch == 4
+    assert EpochSteps(length=100, batch_size=16, epochs=1, accumulate=3).last_micro_batch == 4
+    capped = EpochSteps(length=100, batch_size=16, epochs=1, accumulate=2, max_steps_per_epoch=2)
     assert capped.last_micro_batch == 16  # the cap ends the epoch on a full micro-batch
-    dropped = StepSchedule(length=100, batch_size=16, epochs=1, drop_last_batch=True)
+    dropped = EpochSteps(length=100, batch_size=16, epochs=1, drop_last_batch=True)
     assert dropped.last_micro_batch == 16
-    assert StepSchedule(length=100, batch_size=16, epochs=0).last_micro_batch == 0
+    assert EpochSteps(length=100, batch_size=16, epochs=0).last_micro_batch == 0

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from ddp_template.amp import build_scaler, check_amp
-from ddp_template.config import AmpConfig, AmpMode
+from ddp_template.config.schema import AmpConfig, AmpMode
 from ddp_template.engine import _step
 from ddp_template.errors import ConfigError
 

@@ -16,9 +16,10 @@ import torch.distributed as dist
 from helpers import ROOT, free_port, run, run_env
 from omegaconf import DictConfig
 
-from ddp_template import boundary, distributed
+from ddp_template import distributed
 from ddp_template.amp import check_amp
-from ddp_template.config import BackendConfig
+from ddp_template.config import boundary
+from ddp_template.config.schema import BackendConfig
 from ddp_template.distributed import choose_backend
 from ddp_template.errors import ConfigError
 

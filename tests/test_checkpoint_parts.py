@@ -14,11 +14,11 @@ from helpers import cpu_rank
 from ddp_template import checkpoint
 from ddp_template.amp import scaler_part
 from ddp_template.checkpoint import Checkpointer, Found, find_resume
-from ddp_template.config import CheckpointConfig, EmaConfig
-from ddp_template.ema import EMA
+from ddp_template.config.schema import CheckpointConfig, EmaConfig
 from ddp_template.errors import ConfigError
 from ddp_template.models import small_cnn, weights_part
 from ddp_template.selection import Selection
+from ddp_template.switches.ema import EMA
 
 ONE = cpu_rank(0, 1)
 

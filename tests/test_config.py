@@ -10,8 +10,8 @@ import torch
 from helpers import ROOT, run, train_cmd
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_template.boundary import check, typed
-from ddp_template.config import SamplerMode
+from ddp_template.config.boundary import check, typed
+from ddp_template.config.schema import SamplerMode
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.splits import build_splits
 from ddp_template.errors import ConfigError

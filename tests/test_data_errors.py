@@ -11,9 +11,9 @@ import torch
 from conftest import compose_conf
 from helpers import run, train_cmd
 
-from ddp_template import boundary
 from ddp_template.checkpoint import FORMAT_VERSION, save_atomic
-from ddp_template.config import FinetuneConfig, TransformsConfig
+from ddp_template.config import boundary
+from ddp_template.config.schema import FinetuneConfig, TransformsConfig
 from ddp_template.data.contract import DataInfo
 from ddp_template.data.splits import build_splits
 from ddp_template.data.transforms import apply_transforms

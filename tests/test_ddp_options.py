@@ -10,7 +10,7 @@ import torch.distributed as dist
 from helpers import ROOT, run, run_env, train_cmd
 from test_ema import rank_info
 
-from ddp_template.config import DDPConfig
+from ddp_template.config.schema import DDPConfig
 from ddp_template.models import small_cnn
 from ddp_template.parallel import build_ddp
 

@@ -28,8 +28,8 @@ from helpers import (
 )
 
 from ddp_template.checkpoint import Found
-from ddp_template.choices import GlobalBatch, OnResize
-from ddp_template.config import Config, ElasticConfig
+from ddp_template.config.choices import GlobalBatch, OnResize
+from ddp_template.config.schema import Config, ElasticConfig
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShardSampler
 from ddp_template.elastic import plan_resize

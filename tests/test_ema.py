@@ -13,15 +13,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import free_port, join_gloo, step_trainer
 
-from ddp_template.config import DDPConfig, EmaConfig, LoaderConfig
+from ddp_template.config.schema import DDPConfig, EmaConfig, LoaderConfig
 from ddp_template.data.builtin import synthetic
 from ddp_template.data.loader import build_eval_loader
 from ddp_template.distributed import DistInfo
-from ddp_template.ema import EMA, build_ema
 from ddp_template.engine import _step
 from ddp_template.evaluation import evaluate
 from ddp_template.models import small_cnn
 from ddp_template.parallel import build_ddp
+from ddp_template.switches.ema import EMA, build_ema
 
 EVAL = LoaderConfig(eval_batch_size=7, num_workers=0)  # 40 samples: ragged shards
 

@@ -23,20 +23,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_resume import assert_identical
 
-from ddp_template.data.accounting import fingerprint_hex, fingerprint_sum
+from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShardSampler
-from ddp_template.data.schedule import StepSchedule
-from ddp_template.data.shard_check import epoch_report, own_check
 from ddp_template.engine import micro_batches
-from ddp_template.shard_draw import _headline
-from ddp_template.shard_plot import layout_from_sampler
+from ddp_template.ledger.tally import fingerprint_hex, fingerprint_sum
+from ddp_template.ledger.verify import epoch_report, own_check
+from ddp_template.sinks.share_draw import _headline
+from ddp_template.sinks.share_plot import layout_from_sampler
 
 EXACT = SAMPLER_MODES["exact"]
 
 
-def exact_schedule(n: int, world: int, batch: int, **kwargs) -> StepSchedule:
-    return StepSchedule(
+def exact_schedule(n: int, world: int, batch: int, **kwargs) -> EpochSteps:
+    return EpochSteps(
         length=EXACT.length(n, world),
         rank_lengths=tuple(EXACT.rank_length(n, r, world) for r in range(world)),
         batch_size=batch,
@@ -70,7 +70,7 @@ def test_steps_are_one_process_with_w_times_the_batch(n, world, batch, acc, drop
     ranks = exact_schedule(
         n, world, batch, accumulate=acc, drop_last_batch=drop, max_steps_per_epoch=cap
     )
-    one = StepSchedule(
+    one = EpochSteps(
         length=n,
         batch_size=world * batch,
         epochs=1,
@@ -97,7 +97,7 @@ def test_padded_weights_are_todays_bit_for_bit() -> None:
     """With equal lists the weight n*W / (W*m) is the old n / m: the same rational, rounded
     once, so the default job's numbers cannot move."""
     for m in range(1, 40):
-        uniform = StepSchedule(length=m, batch_size=m, epochs=1, rank_lengths=(m,) * 7)
+        uniform = EpochSteps(length=m, batch_size=m, epochs=1, rank_lengths=(m,) * 7)
         assert all(uniform.weight(n, 0) == n / m for n in range(m + 1))
 
 
@@ -163,7 +163,7 @@ def test_drop_last_contradicts_exact_in_one_sentence() -> None:
 
 class _Stats:
     def __init__(self, indices: np.ndarray) -> None:
-        from ddp_template.data.accounting import IndexTally
+        from ddp_template.ledger.tally import IndexTally
 
         self.tally = IndexTally(keep=True)
         self.tally.add(indices)

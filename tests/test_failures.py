@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from helpers import PY, ROOT, run_env
 
-from ddp_template import failures
-from ddp_template.failures import Failure, cause
+from ddp_template.process import exit_records
+from ddp_template.process.exit_records import Failure, cause
 
 CLOSED = "Connection closed by peer"
 KILLED_1 = (
@@ -117,23 +117,23 @@ def test_records_of_an_earlier_attempt_are_ignored(tmp_path: Path) -> None:
         (tmp_path / f"rank{rank}").mkdir()
         record = {"time": t, "attempt": 0, "traceback": f"tb {rank}", "peer_gone": None}
         (tmp_path / f"rank{rank}" / "error.json").write_text(json.dumps(record))
-    assert sorted(failures.read_failures(tmp_path, since=100.0)) == [1]
+    assert sorted(exit_records.read_failures(tmp_path, since=100.0)) == [1]
 
 
 # A peer rank on this host: records its start, then ends the way the test asks.
 PEER = """
 import sys
 from pathlib import Path
-from ddp_template import failures
+from ddp_template.process import exit_records
 run_dir, how = Path(sys.argv[1]), sys.argv[2]
-failures.record_start(run_dir, 1)
+exit_records.record_start(run_dir, 1)
 if how == "raises":
     try:
         raise ValueError("a bug on rank 1")
     except ValueError as exc:
-        failures.record_failure(run_dir, 1, exc)
+        exit_records.record_failure(run_dir, 1, exc)
 elif how == "config_error":
-    failures.record_exit(run_dir, 1, 2)
+    exit_records.record_exit(run_dir, 1, 2)
 print("ready", flush=True)
 sys.stdin.read()
 """
@@ -164,13 +164,13 @@ def test_a_rank_whose_collective_failed_names_a_peer_killed_without_exception(
             peer.kill()
         elif how != "running":
             peer.stdin.close()  # it exits normally
-        failures.record_start(tmp_path, 0)
+        exit_records.record_start(tmp_path, 0)
         exc = RuntimeError(f"[pair.cc:545] Read error [127.0.0.1]:1234: {CLOSED}")
         if how == "running":  # a peer still running is left out once the wait is over
-            assert failures.quiet_peers(tmp_path, 0, settle_s=0.2) == []
+            assert exit_records.quiet_peers(tmp_path, 0, settle_s=0.2) == []
             assert peer.poll() is None
             return
-        failures.record_failure(tmp_path, 0, exc)
+        exit_records.record_failure(tmp_path, 0, exc)
     finally:
         peer.kill()
         peer.wait()

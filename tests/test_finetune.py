@@ -26,8 +26,8 @@ from helpers import (
 from omegaconf import DictConfig, OmegaConf
 from wandb_reader import find_runs
 
-from ddp_template import boundary
-from ddp_template.config import FinetuneConfig
+from ddp_template.config import boundary
+from ddp_template.config.schema import FinetuneConfig
 from ddp_template.data.loader import build_eval_loader
 from ddp_template.data.splits import build_splits
 from ddp_template.engine import _step

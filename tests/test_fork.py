@@ -25,7 +25,7 @@ from helpers import CPU, PY, ROOT, jsonl, run, run_env, summary, train_cmd
 from omegaconf import DictConfig, OmegaConf
 
 from ddp_template.amp import autocast
-from ddp_template.boundary import typed
+from ddp_template.config.boundary import typed
 from ddp_template.data.array import array_dataset
 from ddp_template.data.splits import build_splits
 from ddp_template.errors import ConfigError

@@ -35,7 +35,7 @@ from test_syncbn import (
 from torch import nn
 
 from ddp_template.amp import autocast, build_scaler, check_amp
-from ddp_template.config import AmpConfig, AmpMode, OptimConfig
+from ddp_template.config.schema import AmpConfig, AmpMode, OptimConfig
 from ddp_template.engine import _step
 from ddp_template.errors import ConfigError
 from ddp_template.models import convert_syncbn, small_cnn

@@ -25,8 +25,8 @@ from helpers import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_template.data.accounting import fingerprint
 from ddp_template.data.sampler_modes import SAMPLER_MODES
+from ddp_template.ledger.tally import fingerprint
 
 TINY = ["logger=none", "epochs=1", "max_steps_per_epoch=4"]
 

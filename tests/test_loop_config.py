@@ -7,7 +7,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from ddp_template.boundary import check, plain, typed
+from ddp_template.config.boundary import check, plain, typed
 from ddp_template.data.splits import build_splits
 from ddp_template.errors import ConfigError
 from ddp_template.models import build_model

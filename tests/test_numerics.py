@@ -17,8 +17,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 from torch import nn
 
-from ddp_template import boundary, numerics
-from ddp_template.config import LoaderConfig, MatmulPrecision, NumericsConfig, OptimConfig
+from ddp_template import numerics
+from ddp_template.config import boundary
+from ddp_template.config.schema import LoaderConfig, MatmulPrecision, NumericsConfig, OptimConfig
 from ddp_template.data import loader
 from ddp_template.errors import ConfigError
 from ddp_template.models import small_cnn

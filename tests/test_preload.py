@@ -12,11 +12,11 @@ import torch
 from helpers import ROOT
 
 from ddp_template.data.transforms import Augmented
-from ddp_template.preload import FORK_SERVER, loaded_modules, modules_of
+from ddp_template.process.preload import FORK_SERVER, loaded_modules, modules_of
 
 LOADER = """
 import preload_probe
-from ddp_template.config import LoaderConfig
+from ddp_template.config.schema import LoaderConfig
 from ddp_template.data.loader import build_eval_loader
 from helpers import cpu_rank
 cfg = LoaderConfig(num_workers=2, eval_batch_size=1)
@@ -60,8 +60,8 @@ def test_modules_of_names_what_unpickling_imports_without_copying_data() -> None
 
 def test_loaded_modules_put_the_named_first_once() -> None:
     """After the fork server's own exit (imported by nothing but a fork server's preload)."""
-    names = loaded_modules("torch", "ddp_template.preload")
-    assert names[:3] == [FORK_SERVER, "torch", "ddp_template.preload"]
+    names = loaded_modules("torch", "ddp_template.process.preload")
+    assert names[:3] == [FORK_SERVER, "torch", "ddp_template.process.preload"]
     assert FORK_SERVER not in sys.modules
     assert len(names) == len(set(names)) and "ddp_template.data.transforms" in names
     assert all(n.split(".")[0] in {"torch", "ddp_template", "hydra", "omegaconf"} for n in names)

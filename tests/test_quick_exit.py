@@ -11,7 +11,7 @@ import psutil
 import pytest
 from helpers import ROOT
 
-RUN = "import sys, atexit, threading, time\nfrom ddp_template import quick_exit\n"
+RUN = "import sys, atexit, threading, time\nfrom ddp_template.process import quick_exit\n"
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -57,7 +57,7 @@ def test_an_uncaught_exception_keeps_pythons_own_exit() -> None:
 SERVER = """
 import multiprocessing as mp
 from multiprocessing import forkserver
-from ddp_template.preload import loaded_modules
+from ddp_template.process.preload import loaded_modules
 mp.set_forkserver_preload({preload})
 forkserver.ensure_running()
 code = "import gc; print('forked, gc', gc.isenabled())"

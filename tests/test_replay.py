@@ -24,7 +24,7 @@ import pytest
 import torch
 from helpers import jsonl, run, run_env, train_cmd
 
-from ddp_template.data.accounting import fingerprint
+from ddp_template.ledger.tally import fingerprint
 from ddp_template.replay import index_hits, load_run, main, step_rows
 
 N, W, BATCH, EPOCHS = 45, 2, 4, 2  # L = 23 per rank: 6 steps per epoch, the last of 3

@@ -19,9 +19,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.data.feistel import FeistelPermutation
 from ddp_template.data.loader import build_train_loader
-from ddp_template.data.schedule import StepSchedule
 from ddp_template.engine import TrainState, micro_batches
 from ddp_template.errors import ConfigError
 from ddp_template.replay import index_hits, load_run, step_rows
@@ -153,8 +153,8 @@ def test_replay_at_a_billion_samples_is_o_batch(compose_cfg, tmp_path: Path) -> 
 
 
 def test_step_schedule_counts_like_the_dataloader() -> None:
-    def schedule(**kwargs) -> StepSchedule:
-        return StepSchedule(**({"length": 23, "batch_size": 4, "epochs": 2} | kwargs))
+    def schedule(**kwargs) -> EpochSteps:
+        return EpochSteps(**({"length": 23, "batch_size": 4, "epochs": 2} | kwargs))
 
     assert schedule().steps_per_epoch == 6 and schedule().total_steps == 12
     assert schedule(drop_last_batch=True).steps_per_epoch == 5

@@ -30,8 +30,8 @@ START, COUNT, BATCH = 30, 400, 10  # resumed at position 30, capped after 400 sa
 def read_epoch(sampler: Any, *, keep: bool, skip_batch: bool) -> Any:
     """What the training loop tallies: COUNT indices from START, in batches of BATCH; with
     ``skip_batch`` the loader loses one batch and reads one more at the end instead."""
-    from ddp_template.data.accounting import IndexTally
     from ddp_template.engine import EpochStats
+    from ddp_template.ledger.tally import IndexTally
 
     sampler.load_state_dict(sampler.state_dict(position=START))
     read = list(itertools.islice(iter(sampler), COUNT + BATCH))
@@ -50,8 +50,8 @@ SCENARIOS = {  # name: (seed of each rank's sampler, rank 1's loader skips a bat
 
 
 def run_scenario(name: str, info: Any, logger: Any, captured: list[str]) -> dict[str, Any]:
-    from ddp_template.data import shard_check
     from ddp_template.data.samplers import ShardSampler
+    from ddp_template.ledger import verify as shard_check
 
     seeds, skip, keep = SCENARIOS[name]
     sampler = ShardSampler(range(N), WORLD, info.rank, seed=seeds[info.rank], mode="padded")
@@ -77,9 +77,9 @@ def run_scenario(name: str, info: Any, logger: Any, captured: list[str]) -> dict
 
 
 def worker(rank: int, port: int, out_dir: str) -> None:
-    from ddp_template.config import LoggerConfig, LoggerName
-    from ddp_template.logging import RankLogger
+    from ddp_template.config.schema import LoggerConfig, LoggerName
     from ddp_template.run_identity import RunInfo
+    from ddp_template.sinks.metrics import RankLogger
 
     torch.set_num_threads(1)
     join_gloo(rank, WORLD, port, timeout_s=60)

@@ -12,8 +12,8 @@ from PIL import Image
 
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShardSampler
-from ddp_template.shard_draw import coverage_bins
-from ddp_template.shard_plot import (
+from ddp_template.sinks.share_draw import coverage_bins
+from ddp_template.sinks.share_plot import (
     ShardLayout,
     draw_layout,
     layout_from_sampler,
@@ -141,7 +141,7 @@ def test_coverage_shows_a_real_repeat_or_gap_in_its_bin_only(mode: str, sign: in
 def test_import_is_light_and_drawing_leaves_pyplot_alone(tmp_path: Path) -> None:
     script = (
         "import sys, numpy as np\n"
-        "from ddp_template.shard_plot import ShardLayout, save_layout_png\n"
+        "from ddp_template.sinks.share_plot import ShardLayout, save_layout_png\n"
         "assert 'matplotlib' not in sys.modules, 'imported matplotlib eagerly'\n"
         "lay = ShardLayout('padded', 3, [np.array([0, 2]), np.array([1, 0])],\n"
         "                  [np.array([False, False]), np.array([False, True])])\n"

@@ -26,11 +26,11 @@ import torch
 from helpers import ROOT, assert_one_run_dir, jsonl, run, run_env, train_cmd
 from torch.utils.data import DataLoader, IterableDataset
 
-from ddp_template.audit import audited
 from ddp_template.data.builtin import digits
-from ddp_template.data.stream_audit import key_report
-from ddp_template.data.streams import Expected, check_stream, key_hash
 from ddp_template.errors import EXIT_PREEMPTED, ConfigError
+from ddp_template.streams.audited import audited
+from ddp_template.streams.contract import Expected, check_stream, key_hash
+from ddp_template.streams.verify import key_report
 
 W, K = 2, 2  # ranks, loader workers per rank
 N = 1438  # the digits' training set
@@ -197,9 +197,9 @@ def test_a_stream_without_a_key_is_refused_in_one_sentence() -> None:
 def test_options_a_stream_cannot_honour_are_refused_in_one_sentence(override, says) -> None:
     from conftest import compose_conf
 
-    from ddp_template import boundary
+    from ddp_template.config import boundary
     from ddp_template.data.contract import Splits
-    from ddp_template.data.streams import StreamPosition, check_run
+    from ddp_template.streams.contract import StreamPosition, check_run
 
     cfg = boundary.typed(compose_conf(override))
     base = digits()
@@ -395,7 +395,7 @@ def test_a_signal_to_the_joined_rank_in_the_tail_stops_both_ranks_at_one_step(
 def test_uneven_join_refuses_what_join_cannot_shadow_in_one_sentence(overrides, says) -> None:
     from conftest import compose_conf
 
-    from ddp_template import boundary
+    from ddp_template.config import boundary
 
     with pytest.raises(ConfigError) as err:
         boundary.check(boundary.typed(compose_conf("uneven=join", *overrides)))
@@ -407,9 +407,9 @@ def test_uneven_join_refuses_what_join_cannot_shadow_in_one_sentence(overrides, 
 def test_uneven_join_on_planned_data_is_refused_in_one_sentence() -> None:
     from conftest import compose_conf
 
-    from ddp_template import boundary
+    from ddp_template.config import boundary
     from ddp_template.data.contract import Splits
-    from ddp_template.data.streams import check_run
+    from ddp_template.streams.contract import check_run
 
     cfg = boundary.typed(compose_conf("uneven=join"))
     base = digits()

@@ -48,8 +48,9 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 root, out = Path(sys.argv[1]), Path(sys.argv[2])
 train = runpy.run_path(str(root / "train.py"))["train"]  # not its __main__
-from ddp_template import boundary, distributed
-from ddp_template.logging import RankLogger
+from ddp_template import distributed
+from ddp_template.config import boundary
+from ddp_template.sinks.metrics import RankLogger
 from ddp_template.run_identity import RunInfo
 overrides = ["logger=none", "epochs=0", "data=synthetic", "data.size=8", "data.test_size=4",
              "data.image_size=8", "loader.batch_size=4"]

@@ -15,7 +15,7 @@ from conftest import compose_conf
 from helpers import cpu_rank
 from test_resume import assert_identical, final_model, launch
 
-from ddp_template import boundary
+from ddp_template.config import boundary
 from ddp_template.data.loader import build_train_loader, build_train_sampler
 from ddp_template.data.splits import build_splits
 from ddp_template.data.transforms import Augmented, apply_transforms

@@ -18,15 +18,15 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from helpers import cpu_rank, free_port, join_gloo
 
-from ddp_template.config import DDPConfig, EmaConfig
-from ddp_template.data.uneven import StreamSchedule
-from ddp_template.ema import build_ema
+from ddp_template.config.schema import DDPConfig, EmaConfig
 from ddp_template.engine import Trainer, TrainState, train_one_epoch
-from ddp_template.joining import Joined
 from ddp_template.models import small_cnn
 from ddp_template.optim import WarmupCosine
 from ddp_template.parallel import build_ddp
 from ddp_template.preemption import Preemption
+from ddp_template.streams.join import Joined
+from ddp_template.streams.stop import StreamSteps
+from ddp_template.switches.ema import build_ema
 
 W, B, LR, MOMENTUM, HORIZON = 2, 4, 0.1, 0.9, 20
 # scenario: (rank 0's batches, rank 1's), the step after which rank 0 signals itself
@@ -74,7 +74,7 @@ def run_scenario(rank: int, name: str) -> dict:
         sampler=None,
         info=info,
         log_every=1000,
-        schedule=StreamSchedule(length=B * max(lengths), batch_size=B, epochs=1),
+        schedule=StreamSteps(length=B * max(lengths), batch_size=B, epochs=1),
         keep_indices=True,
         uneven=Joined(info=info, switches={"ema": ema}),
     )

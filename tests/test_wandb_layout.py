@@ -17,15 +17,15 @@ import wandb
 from omegaconf import DictConfig
 from wandb_reader import find_runs
 
-from ddp_template.boundary import check, typed
-from ddp_template.config import LoggerConfig, SystemMetrics, WandbLayout, WandbMode
-from ddp_template.data.accounting import fingerprint_sum
-from ddp_template.data.shard_check import shard_report
+from ddp_template.config.boundary import check, typed
+from ddp_template.config.schema import LoggerConfig, SystemMetrics, WandbLayout, WandbMode
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
-from ddp_template.logging import RankLogger
+from ddp_template.ledger.tally import fingerprint_sum
+from ddp_template.ledger.verify import shard_report
 from ddp_template.run_identity import RunInfo
-from ddp_template.wandb_run import SHARED_MIN_VERSION, _settings, choose_layout
+from ddp_template.sinks.metrics import RankLogger
+from ddp_template.sinks.wandb_run import SHARED_MIN_VERSION, _settings, choose_layout
 
 
 def rank(r: int, local_rank: int, world_size: int = 4) -> DistInfo:

@@ -18,7 +18,7 @@ from helpers import jsonl, run, run_dirs, run_env, train_cmd
 from torch.utils.data.distributed import DistributedSampler
 from wandb_reader import OfflineRun, find_runs
 
-from ddp_template.data.accounting import fingerprint
+from ddp_template.ledger.tally import fingerprint
 
 N, W, EPOCHS = 11, 2, 2  # 11 samples on 2 ranks: 12 slots when padded
 

@@ -23,13 +23,13 @@ import pytest
 import torch
 from helpers import ROOT, assert_killed_rank_reported, jsonl, run, run_env, train_cmd
 
-from ddp_template.data.accounting import IndexTally, fingerprint_hex, fingerprint_sum
-from ddp_template.data.shard_check import epoch_metrics, epoch_report, own_check
-from ddp_template.data.shard_index import ShardIndex
-from ddp_template.data.shard_plan import PlanSampler, Stream
-from ddp_template.data.sharded import PlanReader, ShardSamples, webdataset
 from ddp_template.engine import EpochStats
 from ddp_template.errors import ConfigError
+from ddp_template.ledger.tally import IndexTally, fingerprint_hex, fingerprint_sum
+from ddp_template.ledger.verify import epoch_metrics, epoch_report, own_check
+from ddp_template.webdataset.index import ShardIndex
+from ddp_template.webdataset.plan import PlanSampler, ShardOrder
+from ddp_template.webdataset.reader import PlanReader, ShardSamples, webdataset
 
 SIZES = (17, 3, 11, 5, 13, 7, 5)  # 61 samples: prime, so no world size divides it
 N = sum(SIZES)
@@ -67,7 +67,7 @@ def samplers(
     batch: int = B,
     workers: int = K,
 ) -> list[PlanSampler]:
-    stream = Stream(sizes=SIZES, seed=seed, shuffle=mode != "sequential", block=block)
+    stream = ShardOrder(sizes=SIZES, seed=seed, shuffle=mode != "sequential", block=block)
     return [
         PlanSampler(
             stream, num_replicas=world, rank=r, mode=mode, batch_size=batch, workers=workers
@@ -222,7 +222,7 @@ def test_a_worker_cursor_and_a_foreign_plan_in_the_checkpoint() -> None:
     assert len(state["worker_cursors"]) == K
     assert state["worker_cursors"] == [s.worker_slots(1, k, 2 * B)[0] for k in range(K)]
     other = PlanSampler(
-        Stream(sizes=SIZES, seed=0, shuffle=True, block=4),
+        ShardOrder(sizes=SIZES, seed=0, shuffle=True, block=4),
         num_replicas=W,
         rank=1,
         mode="padded",
@@ -276,7 +276,7 @@ def test_bad_shards_are_refused_in_one_sentence(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def digit_shards(tmp_path_factory) -> Path:
-    from ddp_template.data.shards import main
+    from ddp_template.webdataset.writer import main
 
     out = tmp_path_factory.mktemp("digits")
     args = ["--from", "data=digits", "--out", str(out), "--samples-per-shard", "500"]
@@ -307,7 +307,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 root, out, shards = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 train = runpy.run_path(str(root / "train.py"))["train"]  # not its __main__
-from ddp_template import boundary
+from ddp_template.config import boundary
 from ddp_template.run_identity import RunInfo
 os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                   LOCAL_WORLD_SIZE="1")
@@ -458,11 +458,11 @@ def test_augmented_shards_stream_by_the_plan_as_map_style_would_augment(tmp_path
     same tensor map-style reading of the same split gives."""
     from helpers import cpu_rank
 
-    from ddp_template.choices import TransformName
-    from ddp_template.config import LoaderConfig, SamplerConfig
+    from ddp_template.config.choices import TransformName
+    from ddp_template.config.options import TransformsConfig
+    from ddp_template.config.schema import LoaderConfig, SamplerConfig
     from ddp_template.data.loader import build_train_loader, build_train_sampler
     from ddp_template.data.transforms import apply_transforms
-    from ddp_template.options import TransformsConfig
 
     pattern = write_shards(tmp_path / "s")
     splits = webdataset(train_urls=pattern, test_urls=pattern)

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from ddp_template.config import AmpConfig, AmpMode
+from ddp_template.config.schema import AmpConfig, AmpMode
 from ddp_template.errors import ConfigError, Guarded
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

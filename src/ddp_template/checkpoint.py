@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
-from ddp_template.config import CheckpointConfig
+from ddp_template.config.schema import CheckpointConfig
 from ddp_template.distributed import DistInfo, broadcast_object, gather_objects
 from ddp_template.errors import ConfigError
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_template import cluster
-from ddp_template.config import BackendConfig
+from ddp_template.config.schema import BackendConfig
 from ddp_template.errors import ConfigError
 
 

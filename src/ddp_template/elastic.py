@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ddp_template.checkpoint import Found
-from ddp_template.choices import GlobalBatch, OnResize
-from ddp_template.config import Config, ElasticConfig
+from ddp_template.config.choices import GlobalBatch, OnResize
+from ddp_template.config.schema import Config, ElasticConfig
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
 

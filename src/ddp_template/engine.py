@@ -1,7 +1,7 @@
 """Train one epoch (AMP, GradScaler, per-rank data accounting); ``evaluation`` evaluates.
 
 An optimizer step takes ``optim.accumulate`` micro-batches (the step arithmetic is
-``data.schedule.StepSchedule``'s): each micro-batch's loss is weighted by its share of the step's
+``data.schedule.EpochSteps``'s): each micro-batch's loss is weighted by its share of the step's
 samples, so the update is the one a single batch of them all would give, and DDP all-reduces
 the gradients once per step (``no_sync`` on the others). Where ranks hold lists of different
 lengths (``sampler=exact``) a rank past the end of its list still runs every micro-batch, an
@@ -29,9 +29,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_template.amp import autocast
-from ddp_template.data.accounting import IndexTally
-from ddp_template.data.schedule import StepSchedule
+from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.distributed import DistInfo
+from ddp_template.ledger.tally import IndexTally
 
 
 @dataclass
@@ -66,7 +66,7 @@ class Trainer:
     amp_mode: str = "off"
     grad_clip: float | None = None
     log_every: int = 10
-    schedule: StepSchedule | None = None  # which micro-batches make each optimizer step
+    schedule: EpochSteps | None = None  # which micro-batches make each optimizer step
     keep_indices: bool = False
     label_smoothing: float = 0.0
     # A stream's uneven ends: uneven=stop's per-step agreement (data.uneven.Agreement) or
@@ -158,7 +158,7 @@ def _step(tr: Trainer, x: torch.Tensor, y: torch.Tensor, want_norm: bool) -> Ste
 
 
 def micro_batches(
-    loader: Any, schedule: StepSchedule, position: int, rank: int = 0
+    loader: Any, schedule: EpochSteps, position: int, rank: int = 0
 ) -> Iterator[tuple]:
     """The epoch's micro-batches from ``position`` (a step boundary), as ``(batch, weight,
     last)``: ``weight`` is the batch's share of its optimizer step's samples (``schedule.weight``),

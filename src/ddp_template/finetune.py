@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from ddp_template.checkpoint import load
+from ddp_template.config.loop import FinetuneConfig
 from ddp_template.errors import ConfigError
-from ddp_template.loop_config import FinetuneConfig
 from ddp_template.models import LoadReport, load_matching
 
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import psutil
 
-from ddp_template import failures, forked_server
-from ddp_template.config import Config
+from ddp_template.config.schema import Config
 from ddp_template.distributed import LAUNCHER_VAR, launched_by_torchrun
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED
-from ddp_template.preload import loaded_modules
+from ddp_template.process import exit_records, server_start
+from ddp_template.process.preload import loaded_modules
 from ddp_template.run_identity import RunInfo
 
 
@@ -83,7 +83,7 @@ def launch(fn: Any, cfg: Config, run: RunInfo) -> Any:
         # instead of a fresh interpreter importing them (seconds per rank on a small machine).
         # torch._dynamo too: every rank's optimizer imports it (2 s each). The server is itself
         # a fork of this process (after the variables above, which the ranks inherit from it).
-        forked_server.start(preload=loaded_modules("torch", "torch._dynamo"))
+        server_start.start(preload=loaded_modules("torch", "torch._dynamo"))
     _quiet_agent()
     exits = _Exits()
     try:
@@ -103,21 +103,21 @@ def launch(fn: Any, cfg: Config, run: RunInfo) -> Any:
     return results[0]
 
 
-def _verdict(seen: int, failure: Any, exits: _Exits, run_dir: Path) -> failures.Verdict:
+def _verdict(seen: int, failure: Any, exits: _Exits, run_dir: Path) -> exit_records.Verdict:
     """Who caused the failure, from every worker's exit code and the ranks' own records; torch's
     own record of the rank it saw stands in for ours when that rank left none."""
-    found = failures.read_failures(run_dir, since=exits.started)
+    found = exit_records.read_failures(run_dir, since=exits.started)
     message = failure.message
     if seen not in found and isinstance(message, dict):  # torch's @record caught an exception
         text = message.get("extraInfo", {}).get("py_callstack") or message.get("message", "")
-        found[seen] = failures.Failure(
+        found[seen] = exit_records.Failure(
             time=failure.timestamp,
             attempt=0,
             traceback=text,
-            peer_gone=failures.peer_gone(text),
+            peer_gone=exit_records.peer_gone(text),
         )
     codes = exits.codes or {seen: failure.exitcode}  # empty: torch's agent changed
-    return failures.cause(exits=codes, failures=found, seen=seen)
+    return exit_records.cause(exits=codes, failures=found, seen=seen)
 
 
 class _Exits:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_template.config import NumericsConfig
+from ddp_template.config.schema import NumericsConfig
 from ddp_template.errors import ConfigError
 
 # cuBLAS's deterministic workspace setting; read when the rank creates its first cuBLAS handle.

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_template.config import OptimConfig, OptimName, Schedule
+from ddp_template.config.schema import OptimConfig, OptimName, Schedule
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_template.config import DDPConfig
+from ddp_template.config.schema import DDPConfig
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from ddp_template.config import ProfilerConfig
+from ddp_template.config.schema import ProfilerConfig
 from ddp_template.distributed import DistInfo
 
 

@@ -38,13 +38,13 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.utils.data import Dataset, default_collate
 
-from ddp_template import boundary
 from ddp_template.checkpoint import load as load_checkpoint
-from ddp_template.config import Config
+from ddp_template.config import boundary
+from ddp_template.config.schema import Config
+from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.data.loader import build_train_sampler
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShardSampler
-from ddp_template.data.schedule import StepSchedule
 from ddp_template.data.splits import build_splits
 from ddp_template.distributed import DistInfo
 from ddp_template.elastic import read_segments
@@ -64,7 +64,7 @@ class Piece:
     steps: int
     world_size: int
     sampler: ShardSampler
-    schedule: StepSchedule
+    schedule: EpochSteps
 
     def span(self) -> tuple[int, int]:
         """The positions of every rank's list this piece read."""
@@ -80,7 +80,7 @@ class Run:
     cfg: Config
     world_size: int  # the first segment's
     train: Dataset
-    schedule: StepSchedule  # the first segment's epochs
+    schedule: EpochSteps  # the first segment's epochs
     pieces: tuple[Piece, ...] = ()
 
     def sampler(self, rank: int, world_size: int | None = None) -> ShardSampler:
@@ -115,7 +115,7 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
     world = _world_size(run_dir, world_size, segments)
     train = build_splits(cfg.data).train
     rule = SAMPLER_MODES[str(cfg.sampler.mode)]
-    schedule = StepSchedule.of_run(
+    schedule = EpochSteps.of_run(
         cfg,
         length=rule.length(len(train), world),
         rank_lengths=tuple(rule.rank_length(len(train), r, world) for r in range(world)),
@@ -145,7 +145,7 @@ def _pieces(run: Run, segments: list[dict[str, Any]]) -> list[Piece]:
             sampler.set_epoch(epoch)
             if prior:
                 sampler.continue_epoch(epoch, prior)
-            schedule = StepSchedule.of_run(
+            schedule = EpochSteps.of_run(
                 cfg,
                 length=sampler.epoch_length,
                 rank_lengths=sampler.rank_lengths,

@@ -11,8 +11,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ddp_template.config.loop import SelectionConfig
 from ddp_template.errors import ConfigError
-from ddp_template.loop_config import SelectionConfig
 
 log = logging.getLogger("ddp_template")
 

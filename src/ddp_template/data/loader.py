@@ -25,17 +25,17 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ddp_template.config import LoaderConfig, SamplerConfig
+from ddp_template.config.schema import LoaderConfig, SamplerConfig
 from ddp_template.data.contract import BatchFetch, collate
 from ddp_template.data.eval_sampler import EvalShardSampler
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShardSampler
-from ddp_template.data.shard_plan import PlanSampler, Stream
-from ddp_template.data.sharded import PlanReader, sharded_source
-from ddp_template.data.streams import Expected, StreamPosition, TagCollate, Tagged, is_stream
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
-from ddp_template.preload import loaded_modules, modules_of
+from ddp_template.process.preload import loaded_modules, modules_of
+from ddp_template.streams.contract import Expected, StreamPosition, TagCollate, Tagged, is_stream
+from ddp_template.webdataset.plan import PlanSampler, ShardOrder
+from ddp_template.webdataset.reader import PlanReader, sharded_source
 
 
 def init_worker(worker_id: int, rank_pid: int) -> None:
@@ -148,7 +148,7 @@ def build_train_sampler(
         if loader is None:
             raise ValueError("sharded data needs the loader config: its plan deals batches")
         samples, _ = source
-        stream = Stream(
+        stream = ShardOrder(
             sizes=tuple(int(n) for n in samples.index.sizes),
             seed=seed,
             shuffle=cfg.shuffle,

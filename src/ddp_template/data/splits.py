@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from ddp_template.data.contract import IndexedSubset, Splits
-from ddp_template.data.streams import check_stream, is_stream
 from ddp_template.errors import ConfigError, instantiate_clean
+from ddp_template.streams.contract import check_stream, is_stream
 
 SPLIT_KEYS = ("val_fraction",)  # data keys build_splits applies itself (not the factory's)
 

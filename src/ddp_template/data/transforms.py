@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ddp_template.config import TransformsConfig
+from ddp_template.config.schema import TransformsConfig
 from ddp_template.data.contract import Splits
 from ddp_template.data.splitmix import splitmix64
 from ddp_template.errors import ConfigError

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ddp_template.data.schedule import StepSchedule
+from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.distributed import DistInfo
 
 
@@ -54,7 +54,7 @@ class Joined:
     unread: list[tuple[int, list[str]]] = field(default_factory=list)  # per worker: none
 
     def micro_batches(
-        self, loader: Any, schedule: StepSchedule, position: int
+        self, loader: Any, schedule: EpochSteps, position: int
     ) -> Iterator[tuple[tuple, float, bool]]:
         """Every batch of this rank's stream as ``((x, y, keys, worker), 1.0, True)`` (one a
         step), up to ``max_steps_per_epoch``."""

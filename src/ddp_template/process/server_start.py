@@ -27,7 +27,7 @@ import traceback
 from multiprocessing import connection, forkserver, resource_tracker, util
 from typing import Any, NoReturn
 
-from ddp_template.quick_exit import exit_now
+from ddp_template.process.quick_exit import exit_now
 
 _LAYOUT = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
 

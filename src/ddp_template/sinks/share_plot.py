@@ -18,7 +18,7 @@ import numpy as np
 
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShardSampler
-from ddp_template.shard_draw import ShardLayout, draw_layout, save
+from ddp_template.sinks.share_draw import ShardLayout, draw_layout, save
 
 __all__ = ["ShardLayout", "draw_layout", "layout_from_sampler", "save_layout_png", "save_modes_png"]
 
@@ -76,7 +76,7 @@ def save_modes_png(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m ddp_template.shard_plot --out docs/shards.png` (the `make shards` target)."""
+    """`python -m ddp_template.sinks.share_plot --out docs/shards.png` (`make shards`)."""
     parser = argparse.ArgumentParser(description="Draw the sampler modes' shard layouts.")
     parser.add_argument("--out", type=Path, default=Path("docs/shards.png"))
     parser.add_argument("--n", type=int, default=11, help="dataset size N")

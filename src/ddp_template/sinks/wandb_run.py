@@ -23,7 +23,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from ddp_template.config import LoggerConfig, SystemMetrics, WandbLayout, WandbMode
+from ddp_template.config.schema import LoggerConfig, SystemMetrics, WandbLayout, WandbMode
 from ddp_template.distributed import DistInfo
 from ddp_template.run_identity import RunInfo
 

@@ -15,11 +15,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ddp_template.config import LoggerConfig, LoggerName, WandbLayout
-from ddp_template.console import report_lines, split_sizes, write_summary
+from ddp_template.config.schema import LoggerConfig, LoggerName, WandbLayout
 from ddp_template.distributed import DistInfo, barrier, gather_objects
 from ddp_template.run_identity import RunInfo
-from ddp_template.wandb_run import Layout, choose_layout, start_wandb, wandb_id
+from ddp_template.sinks.console import report_lines, split_sizes, write_summary
+from ddp_template.sinks.wandb_run import Layout, choose_layout, start_wandb, wandb_id
 
 log = logging.getLogger("ddp_template")
 

@@ -22,9 +22,9 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from ddp_template.data.contract import DataInfo, Splits
-from ddp_template.data.shard_index import ShardIndex
-from ddp_template.data.shard_plan import DEFAULT_SHUFFLE_BLOCK, PlanSampler
 from ddp_template.errors import ConfigError
+from ddp_template.webdataset.index import ShardIndex
+from ddp_template.webdataset.plan import DEFAULT_SHUFFLE_BLOCK, PlanSampler
 
 Augment = Callable[[torch.Tensor, int], torch.Tensor]  # (input, sample index) -> input
 

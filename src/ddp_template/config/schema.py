@@ -17,7 +17,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from ddp_template.choices import (
+from ddp_template.config.choices import (
     AmpMode,
     BackendName,
     EvalSplit,
@@ -37,15 +37,14 @@ from ddp_template.choices import (
     WandbLayout,
     WandbMode,
 )
-from ddp_template.errors import ConfigError
-from ddp_template.loop_config import (
+from ddp_template.config.loop import (
     DDPConfig,
     EmaConfig,
     FinetuneConfig,
     ProfilerConfig,
     SelectionConfig,
 )
-from ddp_template.options import (
+from ddp_template.config.options import (
     ArrayConfig,
     DigitsConfig,
     ImageFolderConfig,
@@ -57,6 +56,7 @@ from ddp_template.options import (
     TransformsConfig,
     WebDatasetConfig,
 )
+from ddp_template.errors import ConfigError
 
 
 @dataclass

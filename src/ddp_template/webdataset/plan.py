@@ -33,7 +33,7 @@ DEFAULT_SHUFFLE_BLOCK = 256
 
 
 @dataclass(frozen=True)
-class Stream:
+class ShardOrder:
     """The epoch's stream: shard order, then block-shuffled samples, from (seed, epoch)."""
 
     sizes: tuple[int, ...]  # samples per shard, url order
@@ -71,7 +71,7 @@ class Stream:
 
 
 @dataclass(frozen=True)
-class StreamRule:
+class OrderRule:
     """A sampler mode's lengths with the plan's layout: one contiguous range of slots per
     rank, cut into one contiguous range of whole batches per worker, positions counted in the
     DataLoader's round-robin order. ``slots``/``owners`` are ``ModeRule``'s, in this layout."""
@@ -140,7 +140,7 @@ class PlanSampler(ShardSampler):
 
     def __init__(
         self,
-        stream: Stream,
+        stream: ShardOrder,
         *,
         num_replicas: int,
         rank: int,
@@ -155,7 +155,7 @@ class PlanSampler(ShardSampler):
         )
         self.stream, self.batch_size, self.workers = stream, batch_size, max(1, workers)
         self.keys = keys  # each sample's __key__, by global index (reports name samples by it)
-        self.rule = StreamRule(self.rule, n, num_replicas, batch_size, self.workers)
+        self.rule = OrderRule(self.rule, n, num_replicas, batch_size, self.workers)
         self.permutation = "plan"
         self.shared = torch.zeros(2, dtype=torch.int64).share_memory_()  # epoch, start
 

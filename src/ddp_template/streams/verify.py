@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from ddp_template.data.accounting import fingerprint_hex, fingerprint_sum
-from ddp_template.data.streams import Expected
 from ddp_template.distributed import DistInfo, gather_objects
+from ddp_template.ledger.tally import fingerprint_hex, fingerprint_sum
+from ddp_template.streams.contract import Expected
 
 _M64 = 2**64 - 1
 NAMED = 12  # keys named per (rank, worker) in the verdict and the report

@@ -41,7 +41,7 @@ class StepBatch(NamedTuple):
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepSchedule:
+class EpochSteps:
     length: int  # L: positions per rank per epoch (the longest list: ShardSampler.epoch_length)
     batch_size: int
     epochs: int
@@ -58,7 +58,7 @@ class StepSchedule:
     @classmethod
     def of_run(
         cls, cfg: Any, *, length: int, rank_lengths: tuple[int, ...], steps_before: int = 0
-    ) -> StepSchedule:
+    ) -> EpochSteps:
         """The run's schedule (``train.build`` and ``replay`` both read it): ``cfg`` is
         the run's ``Config``, ``length`` its sampler's positions per rank (the longest list),
         ``rank_lengths`` each rank's own where they differ (``sampler=exact``). The rest of an

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import signal
 
-from ddp_template.config import FaultConfig
+from ddp_template.config.schema import FaultConfig
 
 
 def maybe_fire(fault: FaultConfig, step: int, rank: int) -> None:

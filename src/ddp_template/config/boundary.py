@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp_template import cluster
 from ddp_template.amp import check_amp
-from ddp_template.config import Config
+from ddp_template.config.schema import Config
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.splits import SPLIT_KEYS
 from ddp_template.distributed import (

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING
 
-from ddp_template.choices import Norm, TransformName
+from ddp_template.config.choices import Norm, TransformName
 from ddp_template.errors import require
 
 
@@ -85,7 +85,7 @@ class ArrayConfig(DataSplitConfig):
 
 @dataclass
 class WebDatasetConfig(DataSplitConfig):
-    _target_: str = "ddp_template.data.sharded.webdataset"
+    _target_: str = "ddp_template.webdataset.reader.webdataset"
     train_urls: str = MISSING  # WebDataset brace notation: /data/train-{000000..000127}.tar
     test_urls: str = MISSING
     shuffle_block: int = 256  # samples shuffled together within a shard (a resume reads <= 1)

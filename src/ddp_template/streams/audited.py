@@ -23,10 +23,10 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from ddp_template.console import report_lines
-from ddp_template.data.accounting import IndexTally
-from ddp_template.data.stream_audit import key_report
-from ddp_template.data.streams import Expected, KeySpec, TagCollate, Tagged, is_stream
+from ddp_template.ledger.tally import IndexTally
+from ddp_template.sinks.console import report_lines
+from ddp_template.streams.contract import Expected, KeySpec, TagCollate, Tagged, is_stream
+from ddp_template.streams.verify import key_report
 
 
 def audited(loader: DataLoader, *, key: KeySpec, expected: Any = None) -> Audited:

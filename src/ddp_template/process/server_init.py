@@ -8,7 +8,7 @@ by nothing else: how the server itself runs.
   leave their memory pages shared.
 - Ending without Python's teardown. When its parent exits the server raises ``SystemExit``,
   and tearing down torch and ``torch._dynamo`` takes about a second, which a shell pipe, a
-  batch system or a test's leak check waits for (see :mod:`ddp_template.quick_exit`).
+  batch system or a test's leak check waits for (see :mod:`ddp_template.process.quick_exit`).
   Registered before anything else it imports, this handler runs after every other one. The
   forks never run it: each ends with ``os._exit`` after its target, as multiprocessing's
   children do.
@@ -20,7 +20,7 @@ import atexit
 import gc
 import os
 
-from ddp_template.quick_exit import exit_now
+from ddp_template.process.quick_exit import exit_now
 
 gc.disable()
 os.register_at_fork(before=gc.freeze, after_in_child=gc.enable)

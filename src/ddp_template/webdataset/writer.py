@@ -1,7 +1,8 @@
 """Write any map-style ``data`` option into WebDataset tar shards.
 
-    python -m ddp_template.data.shards write --from data=digits --out DIR --samples-per-shard K
-    python -m ddp_template.data.shards write --from data=synthetic --out DIR \\
+    python -m ddp_template.webdataset.writer write --from data=digits --out DIR \\
+        --samples-per-shard K
+    python -m ddp_template.webdataset.writer write --from data=synthetic --out DIR \\
         --samples-per-shard 1000 --format png data.size=20000
 
 The ``data`` option is composed from ``conf/`` as ``train.py`` composes it (further overrides
@@ -57,7 +58,7 @@ def compose_data(source: str, overrides: Sequence[str]) -> object:
     """The ``data`` node of ``conf/`` composed with ``--from`` and the overrides."""
     from hydra import compose, initialize_config_dir
 
-    from ddp_template.config import register_configs
+    from ddp_template.config.schema import register_configs
     from ddp_template.run_identity import register_resolvers
 
     register_configs()
@@ -88,7 +89,7 @@ def write(source: str, out: Path, samples_per_shard: int, fmt: str, overrides: S
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddp_template.data.shards")
+    parser = argparse.ArgumentParser(prog="python -m ddp_template.webdataset.writer")
     commands = parser.add_subparsers(dest="command", required=True)
     w = commands.add_parser("write", help="write a map-style data option into tar shards")
     w.add_argument("--from", dest="source", required=True, help="e.g. data=digits")

@@ -22,13 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_template.data.schedule import StepSchedule
+from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.distributed import DistInfo
 
 NAMED = 12  # unread keys named per worker
 
 
-class StreamSchedule(StepSchedule):
+class StreamSteps(EpochSteps):
     """A stream's steps, counted as they come: the epoch ends where the ranks agree it does, so
     a position is simply the micro-batch slots consumed; ``steps_per_epoch`` is the estimate
     the LR schedule and the progress bar read."""
@@ -60,7 +60,7 @@ class Agreement:
             self.group = dist.new_group(backend="gloo")
 
     def micro_batches(
-        self, loader: Any, schedule: StepSchedule, position: int
+        self, loader: Any, schedule: EpochSteps, position: int
     ) -> Iterator[tuple[tuple, float, bool]]:
         """The epoch's micro-batches as ``((x, y, keys, worker), weight, last)`` while every
         rank has a whole step of them, up to ``max_steps_per_epoch``."""

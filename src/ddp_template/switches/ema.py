@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_template.config import EmaConfig
+from ddp_template.config.schema import EmaConfig
 from ddp_template.distributed import DistInfo
 
 

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ddp_template.data.accounting import fingerprint_sum
 from ddp_template.errors import ConfigError, Misfit
+from ddp_template.ledger.tally import fingerprint_sum
 
 _KEY_MASK = 2**63 - 1  # hashes stay non-negative int64 (a tensor's dtype)
 KeySpec = int | str | Callable[[Any], Any]  # a tuple position, a dict field, or a function

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddp_template.data.accounting import join_ledgers
 from ddp_template.data.sampler_state import check_order
 from ddp_template.engine import Trainer, TrainState
 from ddp_template.errors import Misfit
+from ddp_template.ledger.tally import join_ledgers
 
 
 @dataclass(kw_only=True)

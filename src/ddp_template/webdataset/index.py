@@ -49,7 +49,7 @@ def expand_urls(key: str, pattern: str | None) -> list[Path]:
         if not path.is_file():
             raise ConfigError(
                 f"data.{key}={pattern} names {path}, which does not exist; fix the pattern "
-                f"or write the shards (python -m ddp_template.data.shards write --out DIR)."
+                f"or write the shards (python -m ddp_template.webdataset.writer write --out DIR)."
             )
     return paths
 
@@ -77,7 +77,8 @@ def scan_shard(path: Path, key: str) -> dict:
             raise ConfigError(
                 f"data.{key}: sample {name} has no .cls member (it has "
                 f".{', .'.join(sample['exts'])}); every sample needs <key>.cls holding its "
-                f"integer label: write the shards with python -m ddp_template.data.shards write."
+                f"integer label: write the shards with "
+                f"python -m ddp_template.webdataset.writer write."
             )
         if sample["input"] is None:
             raise ConfigError(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddp_template.choices import MonitorMode
+from ddp_template.config.choices import MonitorMode
 from ddp_template.errors import ConfigError
 
 
