@@ -47,7 +47,7 @@ MODULE_SECONDS = json.loads((ROOT / "tests" / "module_seconds.json").read_text()
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest modules first; ``gpu`` tests (``gpu(n)``: n GPUs, default 1) are the only
     ones that use CUDA: skip them, with the reason, where this machine has fewer."""
-    items.sort(key=lambda item: -MODULE_SECONDS.get(item.path.relative_to(ROOT).as_posix(), 0))  # stable
+    items.sort(key=lambda item: -MODULE_SECONDS.get(item.path.relative_to(ROOT).as_posix(), 0))
     import torch
 
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0

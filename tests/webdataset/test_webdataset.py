@@ -445,7 +445,7 @@ def test_kill_9_mid_epoch_resumes_bit_identical_with_the_same_ledger(
 def test_a_node_split_removed_in_a_real_run_is_a_loud_mismatch_not_a_hang(shards, tmp_path) -> None:
     base = [o for o in BASE if not o.startswith(("loader.num_workers", "epochs"))]
     cmd = train_cmd(tmp_path, *base, "dist.nproc=2", "dist.start_method=fork", "epochs=1", *shards)
-    cmd[1] = str(ROOT / "tests" / "webdataset" / "shard_mutation.py")  # train.py with every rank as rank 0
+    cmd[1] = str(Path(__file__).with_name("shard_mutation.py"))  # every rank as rank 0
     proc = run(cmd, env=run_env(RUN_ID="mutant"), timeout=120, leftovers=10)
     out = proc.stdout + proc.stderr
     assert "SHARD MISMATCH in epoch 0" in out, out[-3000:]
