@@ -31,15 +31,11 @@ from ddp_template.checkpoint_parts import Ledger, Progress, SamplerPosition
 from ddp_template.config import boundary
 from ddp_template.config.schema import Config, register_configs
 from ddp_template.data.contract import Splits
-from ddp_template.data.epoch_steps import EpochSteps
-from ddp_template.data.loader import (
-    build_eval_loader,
-    build_train_loader,
-    build_train_sampler,
-    reseed_for_epoch,
-)
+from ddp_template.data.kind import DataKind, kind_of
+from ddp_template.data.loader import build_eval_loader
 from ddp_template.data.splits import build_splits
 from ddp_template.data.transforms import apply_transforms
+from ddp_template.data.workers import reseed_for_epoch
 from ddp_template.elastic import Resize, plan_resize, record_segment
 from ddp_template.engine import (
     EpochStats,
@@ -52,7 +48,7 @@ from ddp_template.engine import (
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 from ddp_template.evaluation import EvalResult, Evaluation, build_evaluation
 from ddp_template.finetune import init_weights
-from ddp_template.ledger.verify import epoch_metrics, verify_epoch
+from ddp_template.ledger.verify import epoch_metrics
 from ddp_template.models import (
     build_model,
     check_batch_statistics,
@@ -70,10 +66,6 @@ from ddp_template.selection import Selection, build_selection
 from ddp_template.sinks.console import setup_console
 from ddp_template.sinks.metrics import RankLogger, log
 from ddp_template.sinks.share_plot import draw_shards_async
-from ddp_template.streams.contract import check_run, is_stream
-from ddp_template.streams.join import Joined
-from ddp_template.streams.stop import Agreement, StreamSteps
-from ddp_template.streams.verify import verify_stream
 from ddp_template.switches.ema import build_ema
 
 gc.freeze()  # what was imported lives as long as the process: out of every later pass
@@ -85,6 +77,7 @@ if __name__ != "__mp_main__":  # a forked rank or loader worker re-runs this fil
 
 
 class Built(NamedTuple):
+    kind: DataKind  # the training data's kind: map-style, or as its factory chose (data.kind)
     trainer: Trainer
     splits: Splits
     evaluation: Evaluation
@@ -96,13 +89,11 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     """Data (+augmentation) → sampler → loaders → model (+SyncBN) → switches (EMA) → DDP →
     compile → optimizer → evaluation."""
     splits = build_splits(cfg.data)
-    stream = is_stream(splits.train)  # your own IterableDataset: read as it comes, audited by key
-    check_run(cfg, splits)  # what this training split cannot honour (uneven=join: a stream's)
+    kind = kind_of(splits)  # map-style, or the kind its factory chose (tar shards, a stream)
+    kind.check(cfg, splits)  # the run's options this kind cannot honour
     splits = apply_transforms(splits, cfg.transforms, cfg.seed)
-    sampler = build_train_sampler(
-        splits.train, cfg.sampler, seed=cfg.seed, info=info, loader=cfg.loader
-    )
-    loader = build_train_loader(
+    sampler = kind.sampler(splits.train, cfg.sampler, seed=cfg.seed, info=info, loader=cfg.loader)
+    loader = kind.loader(
         splits.train,
         sampler,
         cfg.loader,
@@ -110,9 +101,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         drop_last=cfg.sampler.drop_last_batch,
         info=info,
     )
-    schedule = (StreamSteps if stream else EpochSteps).of_run(  # optim.accumulate each
-        cfg, length=sampler.epoch_length, rank_lengths=sampler.rank_lengths
-    )
+    schedule = kind.steps(cfg, sampler)  # optim.accumulate micro-batches each
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, splits.info)
     check_batch_statistics(model, splits.info, schedule.last_micro_batch)
@@ -140,7 +129,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         schedule=schedule,
         keep_indices=sampler.dataset_size <= cfg.shard_report_max_n,
         label_smoothing=cfg.loss.label_smoothing,
-        uneven=uneven_ends(cfg, info, switches) if stream else None,
+        feed=kind.feed(cfg, info, switches),  # how batches come and the epoch ends
     )
     evaluation = build_evaluation(
         final=str(cfg.eval_split),
@@ -151,17 +140,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         info=info,
         amp_mode=str(cfg.amp.mode),
     )
-    return Built(trainer, splits, evaluation, build_selection(cfg.selection), switches)
-
-
-def uneven_ends(cfg: Config, info: distributed.DistInfo, switches: dict) -> Agreement | Joined:
-    """A stream's uneven ends: all ranks stop at the first that runs out (uneven=stop), or
-    each trains on all of its data under torch's Join (uneven=join; a joined rank's switches
-    are caught up at the end with the optimizer's state)."""
-    workers = max(cfg.loader.num_workers, 1)
-    if cfg.uneven == "join":
-        return Joined(info=info, workers=workers, switches=switches)
-    return Agreement(info=info, workers=workers)
+    return Built(kind, trainer, splits, evaluation, build_selection(cfg.selection), switches)
 
 
 def research_switches(cfg: Config, model: torch.nn.Module, info: distributed.DistInfo) -> dict:
@@ -220,7 +199,7 @@ def resume(
         return
     log.info("%s", resize.describe())
     if resize.global_batch == "scale":  # the LR schedule over the steps left at this size
-        rest = epoch_schedule(cfg, tr, state)
+        rest = built.kind.steps(cfg, tr.sampler, steps_before=state.steps_before)
         left = rest.steps_per_epoch - rest.steps_done(state.position)
         later = max(0, cfg.epochs - state.epoch - 1) * tr.schedule.steps_per_epoch
         set_horizon(tr.scheduler, state.step + left + later)
@@ -247,7 +226,7 @@ def fit(
             if stats.stopped and cfg.uneven == "join":  # saved once Join caught every rank up
                 ckpt.save()
             logger.end_epoch()
-            account(stats, tr, state, start, logger)
+            account(built, stats, state, start, logger)
             if stats.stopped:
                 preempt.stop(state.step, ckpt.last)  # checkpointed: a requeue continues
             metrics = built.evaluation.epoch(epoch, state.step, logger)
@@ -269,37 +248,21 @@ def fit(
 def set_epoch(cfg: Config, built: Built, state: TrainState) -> None:
     tr, epoch = built.trainer, state.epoch
     tr.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-    if tr.uneven is None:  # a planned epoch (after an elastic resume: the rest of it)
-        tr.schedule = epoch_schedule(cfg, tr, state)
+    # the epoch's steps (after an elastic resume: the rest of it)
+    tr.schedule = built.kind.steps(cfg, tr.sampler, steps_before=state.steps_before)
     built.splits.set_epoch(epoch)  # augmentation draws from (seed, epoch, index)
     reseed_for_epoch(tr.loader, cfg.seed, tr.info.rank, epoch)
 
 
-def epoch_schedule(cfg: Config, tr: Trainer, state: TrainState) -> EpochSteps:
-    """The steps of the sampler's current epoch (the rest of it after a resize)."""
-    sampler = tr.sampler
-    return EpochSteps.of_run(
-        cfg,
-        length=sampler.epoch_length,
-        rank_lengths=sampler.rank_lengths,
-        steps_before=state.steps_before,
-    )
-
-
 def account(
-    stats: EpochStats, tr: Trainer, state: TrainState, start: int, logger: RankLogger
+    built: Built, stats: EpochStats, state: TrainState, start: int, logger: RankLogger
 ) -> None:
     """Log this rank's epoch (joined with the part read before a resume) and check every
-    rank's data against the sampler mode."""
-    epoch, step = state.epoch, state.step
+    rank's data: against the sampler mode, or a stream's by its keys."""
+    tr, epoch, step = built.trainer, state.epoch, state.step
     metrics = epoch_metrics(stats, tr.sampler, start, epoch, carried=state.carried)
     logger.log_epoch(metrics, step)  # a collective with one W&B run
-    if tr.uneven is not None:  # a stream: audited by key, per (rank, worker); a collective
-        unread, expected = tr.uneven.unread, tr.sampler.expected
-        report = verify_stream(stats.tally, unread, expected, metrics["perf/step_s"], tr.info)
-    else:
-        prior = state.prior  # the epoch's prefixes read at other world sizes
-        report = verify_epoch(stats, tr.sampler, start, metrics, tr.info, prior)  # a collective
+    report = built.kind.verify(stats, tr, state, start, metrics)  # a collective
     if report is not None:
         logger.log_shard_report(report, epoch, step)
 
@@ -364,7 +327,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
                 "effective global batch %d (batch_size x world size x accumulate)", global_batch
             )
             logger.log({"train/global_batch": global_batch}, state.step)
-        draws = cfg.shard_picture and info.is_main and built.trainer.uneven is None  # streams: none
+        draws = cfg.shard_picture and info.is_main and built.kind.pictured
         picture = draw_shards_async(built.trainer.sampler, run.run_dir) if draws else None
         result = fit(cfg, built, state, ckpt, logger)
         logger.finish_run(result, built.splits, state.step, picture)

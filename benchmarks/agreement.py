@@ -8,7 +8,7 @@ built by ``train.build`` on each rank (the script starts itself under torchrun) 
 
 * ``planned``: the map-style loop as every map-style run has it: no agreement (the sampler
   mode plans every rank's steps);
-* ``agreement``: the same loader's batches through the stream loop (``data.uneven.Agreement``):
+* ``agreement``: the same loader's batches through the stream loop (``streams.stop.Agreement``):
   before each step one int all-reduced (MIN) on a gloo group of its own, issued one step ahead
   and waited for when the step begins — what a stream the template cannot plan pays;
 * ``planned (A/A)``: the planned loop again: the noise floor of a ratio.
@@ -54,7 +54,7 @@ def ranks(args: argparse.Namespace) -> None:
     import train
     from ddp_template import distributed
     from ddp_template.config import boundary
-    from ddp_template.engine import TrainState, train_one_epoch
+    from ddp_template.engine import PlannedFeed, TrainState, train_one_epoch
     from ddp_template.streams.stop import Agreement
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
@@ -66,7 +66,7 @@ def ranks(args: argparse.Namespace) -> None:
     state = TrainState()
 
     def measure(variant: str) -> float:
-        tr.uneven = agreement if variant == "agreement" else None
+        tr.feed = agreement if variant == "agreement" else PlannedFeed()
         tr.loader = StreamForm(planned) if variant == "agreement" else planned
         dist.barrier()
         start = time.perf_counter()

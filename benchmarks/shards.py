@@ -54,12 +54,12 @@ def template_epoch_s(pattern: str, rank: int) -> float:
     import torch
 
     from ddp_template.config.schema import LoaderConfig, SamplerConfig
-    from ddp_template.data.loader import build_train_loader, build_train_sampler
     from ddp_template.distributed import DistInfo
     from ddp_template.engine import EpochStats
     from ddp_template.ledger.tally import IndexTally
     from ddp_template.ledger.verify import epoch_metrics, own_check
     from ddp_template.webdataset.index import ShardIndex
+    from ddp_template.webdataset.kind import Sharded
     from ddp_template.webdataset.reader import ShardSamples
 
     info = DistInfo(
@@ -73,8 +73,9 @@ def template_epoch_s(pattern: str, rank: int) -> float:
     )
     cfg = LoaderConfig(batch_size=BATCH, num_workers=WORKERS)
     data = ShardSamples(ShardIndex.of("train_urls", pattern))
-    sampler = build_train_sampler(data, SamplerConfig(), seed=0, info=info, loader=cfg)
-    loader = build_train_loader(data, sampler, cfg, seed=0, drop_last=False, info=info)
+    kind = Sharded()
+    sampler = kind.sampler(data, SamplerConfig(), seed=0, info=info, loader=cfg)
+    loader = kind.loader(data, sampler, cfg, seed=0, drop_last=False, info=info)
     times = []
     for epoch in range(1 + EPOCHS):
         sampler.set_epoch(epoch)

@@ -222,3 +222,19 @@ def test_train_py_exits_2_on_data_errors(tmp_path: Path) -> None:
         output = proc.stdout + proc.stderr
         assert proc.returncode == EXIT_CONFIG_ERROR, output[-3000:]
         assert expected in output and "Traceback" not in output, output[-3000:]
+
+
+def test_uneven_join_on_planned_data_is_refused_in_one_sentence() -> None:
+    from conftest import compose_conf
+
+    from ddp_template.data.builtin import digits
+    from ddp_template.data.kind import Planned
+
+    cfg = boundary.typed(compose_conf("uneven=join"))
+    base = digits()
+    with pytest.raises(ConfigError) as err:
+        Planned().check(cfg, base)
+    msg = str(err.value)
+    assert msg.startswith("uneven=join needs a training stream (an IterableDataset) but ")
+    assert msg.endswith("; drop uneven=join.") and msg.count(". ") == 0, msg
+    Planned().check(boundary.typed(compose_conf()), base)  # uneven=stop on planned data: no effect

@@ -11,14 +11,14 @@ import subprocess
 
 import pytest
 
-from ddp_template.data import loader
+from ddp_template.data import workers
 
 
 def _watch(pid: int, pidfd: bool) -> None:
     """A stand-in for a loader worker, from the forkserver like the real ones."""
     if not pidfd:
         del os.pidfd_open  # this child only: the polling fallback
-    loader._exit_when_gone(pid)
+    workers._exit_when_gone(pid)
     os._exit(5)  # never reached: the watchdog leaves through os._exit(1)
 
 

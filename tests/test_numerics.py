@@ -20,7 +20,7 @@ from torch import nn
 from ddp_template import numerics
 from ddp_template.config import boundary
 from ddp_template.config.schema import LoaderConfig, MatmulPrecision, NumericsConfig, OptimConfig
-from ddp_template.data import loader
+from ddp_template.data import workers
 from ddp_template.errors import ConfigError
 from ddp_template.models import small_cnn
 from ddp_template.optim import build_optimizer
@@ -121,11 +121,11 @@ def test_channels_last_without_convolutions_is_one_sentence() -> None:
 def test_pin_memory_and_persistent_workers_reach_the_loader(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(loader, "_worker_start_method", lambda _: "spawn")  # no fork server here
+    monkeypatch.setattr(workers, "_worker_start_method", lambda _: "spawn")  # no fork server here
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
 
     def kwargs(cfg: LoaderConfig, device: torch.device) -> dict:
-        return loader._loader_kwargs(cfg, device, dataset=None)
+        return workers.loader_kwargs(cfg, device, dataset=None)
 
     assert kwargs(LoaderConfig(num_workers=2), cuda)["pin_memory"] is True
     assert kwargs(LoaderConfig(num_workers=2), cpu)["pin_memory"] is False

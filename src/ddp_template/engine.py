@@ -1,7 +1,7 @@
 """Train one epoch (AMP, GradScaler, per-rank data accounting); ``evaluation`` evaluates.
 
 An optimizer step takes ``optim.accumulate`` micro-batches (the step arithmetic is
-``data.schedule.EpochSteps``'s): each micro-batch's loss is weighted by its share of the step's
+``data.epoch_steps.EpochSteps``'s): each micro-batch's loss is weighted by its share of the step's
 samples, so the update is the one a single batch of them all would give, and DDP all-reduces
 the gradients once per step (``no_sync`` on the others). Where ranks hold lists of different
 lengths (``sampler=exact``) a rank past the end of its list still runs every micro-batch, an
@@ -10,9 +10,10 @@ over the samples the step really had. The loop keeps the host and the device
 apart: the loss is accumulated as a tensor and read
 (``.item()``) only at log intervals and at the end of the epoch, so no step waits for the GPU
 just to print. Every batch carries its dataset indices, which feed the rank's IndexTally.
-A stream's batches and its uneven end are ``Trainer.uneven``'s: every rank stops at one step
-(``data.uneven.Agreement``, uneven=stop), or the loop runs inside torch's ``Join`` and a rank
-whose stream ended shadows the others' steps (``joining.Joined``, uneven=join).
+How the batches come and how the epoch's end is met is ``Trainer.feed``'s (the data kind's):
+a planned epoch's micro-batches (:class:`PlannedFeed`), or a stream's, where every rank stops at
+one step (``streams.stop.Agreement``, uneven=stop) or the loop runs inside torch's ``Join`` and a
+rank whose stream ended shadows the others' steps (``streams.join.Joined``, uneven=join).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,29 @@ from ddp_template.amp import autocast
 from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.distributed import DistInfo
 from ddp_template.ledger.tally import IndexTally
+
+
+class Feed(Protocol):
+    """How an epoch's micro-batches come and how its end is met: ``micro_batches`` yields
+    ``(batch, weight, last)`` from ``position``; the epoch's loop runs inside ``tail``."""
+
+    def micro_batches(self, tr: Trainer, position: int) -> Iterator[tuple[tuple, float, bool]]:
+        """The epoch's micro-batches from ``position`` (a step boundary)."""
+
+    def tail(
+        self, tr: Trainer, state: TrainState, on_step: StepHook
+    ) -> AbstractContextManager[Any]:
+        """What the epoch's loop runs inside (a ``nullcontext`` where nothing needs to)."""
+
+
+class PlannedFeed:
+    """A planned epoch's: every rank's micro-batches are dealt by the schedule."""
+
+    def micro_batches(self, tr: Trainer, position: int) -> Iterator[tuple[tuple, float, bool]]:
+        return micro_batches(tr.loader, tr.schedule, position, tr.info.rank)
+
+    def tail(self, tr: Trainer, state: TrainState, on_step: StepHook) -> AbstractContextManager:
+        return nullcontext()
 
 
 @dataclass
@@ -69,9 +93,7 @@ class Trainer:
     schedule: EpochSteps | None = None  # which micro-batches make each optimizer step
     keep_indices: bool = False
     label_smoothing: float = 0.0
-    # A stream's uneven ends: uneven=stop's per-step agreement (data.uneven.Agreement) or
-    # uneven=join's (joining.Joined); None: planned data.
-    uneven: Any = None
+    feed: Feed = field(default_factory=lambda: PlannedFeed())  # the data kind's (data.kind)
 
     @property
     def ddp(self) -> DDP | None:
@@ -213,13 +235,8 @@ def train_one_epoch(
     loss_acc = torch.zeros((), device=tr.info.device)  # sum of loss x batch size
     interval_t, interval_n, interval_start = time.perf_counter(), 0, loss_acc.clone()
     start = waited = time.perf_counter()
-    if tr.uneven is None:
-        batches = micro_batches(tr.loader, tr.schedule, state.position, tr.info.rank)
-        tail: AbstractContextManager = nullcontext()
-    else:
-        batches = tr.uneven.micro_batches(tr.loader, tr.schedule, state.position)
-        tail = tr.uneven.tail(tr, state, on_step)  # uneven=join: Join over DDP, the hook
-    with tail as shadow:
+    batches = tr.feed.micro_batches(tr, state.position)
+    with tr.feed.tail(tr, state, on_step) as shadow:  # uneven=join: Join over DDP, the hook
         for (x, y, idx, *worker), weight, last in batches:  # a stream's batches name their worker
             stats.data_wait_s += time.perf_counter() - waited
             x = x.to(tr.info.device, non_blocking=True)

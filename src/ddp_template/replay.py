@@ -42,7 +42,7 @@ from ddp_template.checkpoint import load as load_checkpoint
 from ddp_template.config import boundary
 from ddp_template.config.schema import Config
 from ddp_template.data.epoch_steps import EpochSteps
-from ddp_template.data.loader import build_train_sampler
+from ddp_template.data.kind import DataKind, kind_of
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShardSampler
 from ddp_template.data.splits import build_splits
@@ -80,6 +80,7 @@ class Run:
     cfg: Config
     world_size: int  # the first segment's
     train: Dataset
+    kind: DataKind  # the training data's kind: it builds the sampler
     schedule: EpochSteps  # the first segment's epochs
     pieces: tuple[Piece, ...] = ()
 
@@ -96,7 +97,7 @@ class Run:
             host="replay",
         )
         cfg = self.cfg
-        return build_train_sampler(
+        return self.kind.sampler(
             self.train, cfg.sampler, seed=cfg.seed, info=info, loader=cfg.loader
         )
 
@@ -113,14 +114,22 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
     cfg = _config(run_dir)
     segments = read_segments(run_dir)
     world = _world_size(run_dir, world_size, segments)
-    train = build_splits(cfg.data).train
+    splits = build_splits(cfg.data)
+    train = splits.train
     rule = SAMPLER_MODES[str(cfg.sampler.mode)]
     schedule = EpochSteps.of_run(
         cfg,
         length=rule.length(len(train), world),
         rank_lengths=tuple(rule.rank_length(len(train), r, world) for r in range(world)),
     )
-    run = Run(run_dir=run_dir, cfg=cfg, world_size=world, train=train, schedule=schedule)
+    run = Run(
+        run_dir=run_dir,
+        cfg=cfg,
+        world_size=world,
+        train=train,
+        kind=kind_of(splits),
+        schedule=schedule,
+    )
     first = {"first_step": 1, "epoch": 0, "position": 0, "world_size": world, "prior": []}
     first |= {"batch_size": cfg.loader.batch_size, "accumulate": cfg.optim.accumulate}
     return dataclasses.replace(run, pieces=tuple(_pieces(run, segments or [first])))

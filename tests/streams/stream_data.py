@@ -19,6 +19,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ddp_template.data.builtin import digits
 from ddp_template.data.contract import Splits
+from ddp_template.streams.kind import Streamed
 
 
 def _rank() -> tuple[int, int]:
@@ -59,12 +60,13 @@ class DigitsStream(IterableDataset):
 def digits_stream(split_by_worker: bool = True, skewed: bool = False) -> Splits:
     base = digits()
     train = DigitsStream(base.train.x, base.train.y, split_by_worker, key=True, skewed=skewed)
-    return Splits(train, base.test, base.info)
+    return Splits(train, base.test, base.info, kind=Streamed())
 
 
 def no_key_stream() -> Splits:
     base = digits()
-    return Splits(DigitsStream(base.train.x, base.train.y, True, key=False), base.test, base.info)
+    stream = DigitsStream(base.train.x, base.train.y, True, key=False)
+    return Splits(stream, base.test, base.info, kind=Streamed())
 
 
 class Rows(IterableDataset):
@@ -93,4 +95,4 @@ def parquet_stream(path: str, split_by_node: bool = True) -> Splits:
         rows = split_dataset_by_node(rows, rank=rank, world_size=world)
     num_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
     base = digits()
-    return Splits(Rows(rows, num_rows), base.test, base.info)
+    return Splits(Rows(rows, num_rows), base.test, base.info, kind=Streamed())

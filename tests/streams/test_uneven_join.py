@@ -76,7 +76,7 @@ def run_scenario(rank: int, name: str) -> dict:
         log_every=1000,
         schedule=StreamSteps(length=B * max(lengths), batch_size=B, epochs=1),
         keep_indices=True,
-        uneven=Joined(info=info, switches={"ema": ema}),
+        feed=Joined(info=info, switches={"ema": ema}),
     )
 
     def on_step(s: TrainState) -> bool:  # train.step_hook's collectives, in its order

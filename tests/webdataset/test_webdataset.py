@@ -29,7 +29,8 @@ from ddp_template.ledger.tally import IndexTally, fingerprint_hex, fingerprint_s
 from ddp_template.ledger.verify import epoch_metrics, epoch_report, own_check
 from ddp_template.webdataset.index import ShardIndex
 from ddp_template.webdataset.plan import PlanSampler, ShardOrder
-from ddp_template.webdataset.reader import PlanReader, ShardSamples, webdataset
+from ddp_template.webdataset.reader import PlanReader, ShardSamples
+from ddp_template.webdataset.splits import webdataset
 
 SIZES = (17, 3, 11, 5, 13, 7, 5)  # 61 samples: prime, so no world size divides it
 N = sum(SIZES)
@@ -117,7 +118,7 @@ def test_the_plan_deals_every_sample_once_in_disjoint_contiguous_worker_ranges(
     for epoch in (0, 1):
         for s in ss:
             s.set_epoch(epoch)
-        order, blocks = ss[0].order(epoch), ss[0].stream.blocks(epoch)
+        order, blocks = ss[0].order(epoch), ss[0].shard_order.blocks(epoch)
         for (shard, lo, n), at in zip(blocks, np.cumsum(blocks[:, 2]) - blocks[:, 2], strict=True):
             first = sum(SIZES[:shard]) + lo  # a block: its shard's samples lo..lo+n-1, shuffled
             assert sorted(order[at : at + n]) == list(range(first, first + n))
@@ -146,7 +147,7 @@ def test_the_plan_deals_every_sample_once_in_disjoint_contiguous_worker_ranges(
             for start in range(0, s.num_samples, batch):
                 got = round_robin([planned(s, r, w, start) for w in range(workers)], batch)
                 assert np.array_equal(np.concatenate(got), want[start:])
-    assert not np.array_equal(ss[0].stream.order(0), ss[0].stream.order(1)) or (
+    assert not np.array_equal(ss[0].shard_order.order(0), ss[0].shard_order.order(1)) or (
         mode == "sequential"
     )
 
@@ -461,7 +462,6 @@ def test_augmented_shards_stream_by_the_plan_as_map_style_would_augment(tmp_path
     from ddp_template.config.choices import TransformName
     from ddp_template.config.options import TransformsConfig
     from ddp_template.config.schema import LoaderConfig, SamplerConfig
-    from ddp_template.data.loader import build_train_loader, build_train_sampler
     from ddp_template.data.transforms import apply_transforms
 
     pattern = write_shards(tmp_path / "s")
@@ -469,9 +469,9 @@ def test_augmented_shards_stream_by_the_plan_as_map_style_would_augment(tmp_path
     cifar = TransformsConfig(name=TransformName.cifar, padding=1)
     augmented = apply_transforms(splits, cifar, seed=3).train
     info, cfg = cpu_rank(0, 2), LoaderConfig(batch_size=B, num_workers=0)
-    sampler = build_train_sampler(augmented, SamplerConfig(), seed=3, info=info, loader=cfg)
+    sampler = splits.kind.sampler(augmented, SamplerConfig(), seed=3, info=info, loader=cfg)
     assert isinstance(sampler, PlanSampler)
-    loader = build_train_loader(augmented, sampler, cfg, seed=3, drop_last=False, info=info)
+    loader = splits.kind.loader(augmented, sampler, cfg, seed=3, drop_last=False, info=info)
     assert isinstance(loader.dataset, PlanReader)
     for epoch in (0, 1):
         splits_epoch = apply_transforms(splits, cifar, seed=3)  # a fresh map-style reader

@@ -84,15 +84,6 @@ class ArrayConfig(DataSplitConfig):
 
 
 @dataclass
-class WebDatasetConfig(DataSplitConfig):
-    _target_: str = "ddp_template.webdataset.reader.webdataset"
-    train_urls: str = MISSING  # WebDataset brace notation: /data/train-{000000..000127}.tar
-    test_urls: str = MISSING
-    shuffle_block: int = 256  # samples shuffled together within a shard (a resume reads <= 1)
-    num_classes: int | None = None  # null: the largest label + 1
-
-
-@dataclass
 class TransformsConfig:
     """Training-time augmentation (training split only), torchvision transforms v2."""
 

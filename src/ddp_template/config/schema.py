@@ -54,7 +54,6 @@ from ddp_template.config.options import (
     TorchvisionDataConfig,
     TorchvisionModelConfig,
     TransformsConfig,
-    WebDatasetConfig,
 )
 from ddp_template.errors import ConfigError
 
@@ -287,7 +286,6 @@ def register_configs() -> None:
             "torchvision_schema": TorchvisionDataConfig,
             "imagefolder_schema": ImageFolderConfig,
             "array_schema": ArrayConfig,
-            "webdataset_schema": WebDatasetConfig,
         },
     }
     for group, schemas in groups.items():

@@ -33,6 +33,9 @@ class Splits:
     test: Dataset
     info: DataInfo
     val: Dataset | None = None  # carved from the training data with data.val_fraction
+    # The data kind that reads the training split (ddp_template.data.kind.DataKind): None is
+    # map-style data; a factory of another kind names its own (e.g. a stream's).
+    kind: Any = None
 
     def split(self, name: str) -> Dataset:
         """The split named ``test``, ``val`` or ``train`` (the latter without augmentation)."""

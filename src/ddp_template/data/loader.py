@@ -1,177 +1,50 @@
-"""DataLoader construction, worker seeding and the resumable position.
+"""The ``sampler`` and ``loader`` groups' builders for map-style data, and the evaluation
+loader every kind shares.
 
-Worker RNGs are seeded from (seed, rank, epoch), never from wall-clock entropy, so two runs
-with the same config load the same data. Workers persist across epochs and take batches in
-turn, so a mid-epoch resume hands batches to different workers: a random augmentation that
-must survive a resume exactly should seed itself from the sample index and epoch. The position
-within an epoch lives in the sampler (``ShardSampler.state_dict(position)``), so a resumed
-loader starts at the next unseen sample without loading any skipped one.
+The position within an epoch lives in the sampler (``ShardSampler.state_dict(position)``), so a
+resumed loader starts at the next unseen sample without loading any skipped one. Other kinds of
+training data (``data.kind``) build their own sampler and loader from the same parts.
 """
 
 from __future__ import annotations
 
-import functools
-import multiprocessing as mp
-import os
-import random
-import select
-import signal
-import threading
-import time
-from multiprocessing import forkserver
-from typing import Any
-
-import numpy as np
-import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_template.config.schema import LoaderConfig, SamplerConfig
-from ddp_template.data.contract import BatchFetch, collate
+from ddp_template.data.contract import BatchFetch
 from ddp_template.data.eval_sampler import EvalShardSampler
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShardSampler
+from ddp_template.data.workers import loader_kwargs, seeded_generator
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
-from ddp_template.process.preload import loaded_modules, modules_of
-from ddp_template.streams.contract import Expected, StreamPosition, TagCollate, Tagged, is_stream
-from ddp_template.webdataset.plan import PlanSampler, ShardOrder
-from ddp_template.webdataset.reader import PlanReader, sharded_source
-
-
-def init_worker(worker_id: int, rank_pid: int) -> None:
-    """Seed numpy's and Python's RNGs from the loader's per-worker torch seed; die with the rank."""
-    seed = torch.initial_seed() % 2**32
-    np.random.seed(seed)
-    random.seed(seed)
-    # Ctrl-C reaches the whole process group; the rank decides when to stop, and its workers
-    # go with it (the watchdog below), not mid-batch.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(
-        target=_exit_when_gone, args=(rank_pid,), name="rank-watchdog", daemon=True
-    ).start()
-
-
-def _exit_when_gone(pid: int) -> None:
-    """End this worker as soon as process ``pid`` (the rank that owns the loader) is gone.
-
-    Under forkserver a worker's parent is the fork server, not the rank, and the server stays up
-    while any of its children do, so torch's own check (has my parent changed?) never fires: a
-    rank killed with SIGKILL (OOM killer, a launcher's grace period running out) left its workers,
-    the server and the resource tracker running for good, holding memory and the rank's stdout.
-    """
-    try:
-        fd = os.pidfd_open(pid)  # Linux >= 5.3: readable once the process has exited
-    except (AttributeError, OSError):
-        while _alive(pid):
-            time.sleep(1.0)
-    else:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        poller.poll()
-    os._exit(1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        pass
-    return True
-
-
-def _worker_start_method(dataset: Dataset) -> str:
-    """forkserver, not fork: a rank has gloo/NCCL, OpenMP and loader threads running, and
-    forking a threaded process can deadlock the child inside ``fork()`` (seen here: an eval
-    loader's worker hung at epoch 0 while the train loader's feeder threads ran)."""
-    global _server_started
-    if "forkserver" not in mp.get_all_start_methods():
-        return "spawn"
-    if not _server_started:  # the preload reaches only the server's first start
-        # The server imports these once; each worker is then a fork of it instead of a fresh
-        # interpreter importing torch (~1.5 s per worker, 8 workers for 2 ranks' two loaders).
-        mp.set_forkserver_preload(loaded_modules("torch", "numpy", *modules_of(dataset)))
-    # Started now, the server's imports overlap building the model, DDP and W&B instead of
-    # delaying the first batch.
-    forkserver.ensure_running()
-    _server_started = True
-    return "forkserver"
-
-
-_server_started = False  # by _worker_start_method, in this process
-
-
-def _loader_kwargs(cfg: LoaderConfig, device: torch.device, dataset: Dataset) -> dict[str, Any]:
-    pin = cfg.pin_memory and device.type == "cuda"
-    kwargs: dict[str, Any] = {
-        "num_workers": cfg.num_workers,
-        "pin_memory": pin,
-        "collate_fn": collate,
-    }
-    if cfg.num_workers > 0:
-        kwargs.update(
-            worker_init_fn=functools.partial(init_worker, rank_pid=os.getpid()),
-            persistent_workers=cfg.persistent_workers,  # one start per loader and run
-            prefetch_factor=4,
-            multiprocessing_context=_worker_start_method(dataset),
-        )
-    return kwargs
 
 
 def build_train_sampler(
-    dataset: Dataset,
-    cfg: SamplerConfig,
-    seed: int,
-    info: DistInfo,
-    loader: LoaderConfig | None = None,
+    dataset: Dataset, cfg: SamplerConfig, *, seed: int, info: DistInfo
 ) -> ShardSampler:
-    """The ``sampler`` group's builder; the run's ``seed`` unless ``sampler.seed`` is set.
-    Sharded data (``data=webdataset``) gets the epoch plan of ``loader``'s batches and
-    workers (``PlanSampler``); a stream (an ``IterableDataset``), which the template does not
-    sample, a ``StreamPosition``."""
-    if is_stream(dataset):
-        return StreamPosition(
-            expected=Expected.of(dataset),
-            world_size=info.world_size,
-            batch_size=(loader or LoaderConfig()).batch_size,
-            workers=(loader or LoaderConfig()).num_workers,
-        )
+    """The ``sampler`` group's builder; the run's ``seed`` unless ``sampler.seed`` is set."""
+    check_world(dataset, cfg, info)
+    return ShardSampler(
+        dataset,
+        num_replicas=info.world_size,
+        rank=info.rank,
+        shuffle=cfg.shuffle,
+        seed=seed if cfg.seed is None else cfg.seed,
+        mode=str(cfg.mode),
+        permutation=str(cfg.permutation),
+    )
+
+
+def check_world(dataset: Dataset, cfg: SamplerConfig, info: DistInfo) -> None:
+    """A mode that drops the tail leaves every rank empty when there are more ranks than
+    samples: refused in one sentence."""
     if SAMPLER_MODES[str(cfg.mode)].drops_tail and info.world_size > len(dataset):
         raise ConfigError(
             f"sampler={cfg.mode} with {info.world_size} ranks and only {len(dataset)} training "
             f"samples leaves every rank empty (floor({len(dataset)}/{info.world_size}) = 0); use "
             f"sampler=padded or fewer ranks."
         )
-    seed = seed if cfg.seed is None else cfg.seed
-    if (source := sharded_source(dataset)) is not None:
-        if loader is None:
-            raise ValueError("sharded data needs the loader config: its plan deals batches")
-        samples, _ = source
-        stream = ShardOrder(
-            sizes=tuple(int(n) for n in samples.index.sizes),
-            seed=seed,
-            shuffle=cfg.shuffle,
-            block=samples.shuffle_block,
-        )
-        return PlanSampler(
-            stream,
-            num_replicas=info.world_size,
-            rank=info.rank,
-            mode=str(cfg.mode),
-            batch_size=loader.batch_size,
-            workers=loader.num_workers,
-            keys=samples.index.keys,
-        )
-    return ShardSampler(
-        dataset,
-        num_replicas=info.world_size,
-        rank=info.rank,
-        shuffle=cfg.shuffle,
-        seed=seed,
-        mode=str(cfg.mode),
-        permutation=str(cfg.permutation),
-    )
 
 
 def build_train_loader(
@@ -184,28 +57,14 @@ def build_train_loader(
     info: DistInfo,
 ) -> DataLoader:
     """The ``loader`` group's training loader; ``drop_last`` is ``sampler.drop_last_batch``."""
-    generator = torch.Generator()
-    generator.manual_seed(worker_seed(seed, info.rank, 0))
-    if isinstance(sampler, StreamPosition):
-        source = Tagged(dataset, key=2)  # (x, y, key) items, tagged by the worker reading them
-        kwargs = _loader_kwargs(cfg, info.device, source)
-        # Fresh workers each epoch: only they see the epoch the stream was given (set_epoch).
-        kwargs.update(collate_fn=TagCollate(collate), persistent_workers=False)
-        return DataLoader(
-            source, batch_size=cfg.batch_size, drop_last=drop_last, generator=generator, **kwargs
-        )
-    if isinstance(sampler, PlanSampler):  # the workers read the plan's ranges themselves
-        samples, augment = sharded_source(dataset)
-        source, sampling = PlanReader(samples, sampler, augment=augment), {}
-    else:
-        source, sampling = BatchFetch(dataset), {"sampler": sampler}
+    source = BatchFetch(dataset)
     return DataLoader(
         source,
         batch_size=cfg.batch_size,
         drop_last=drop_last,
-        generator=generator,
-        **sampling,
-        **_loader_kwargs(cfg, info.device, source),
+        generator=seeded_generator(seed, info.rank),
+        sampler=sampler,
+        **loader_kwargs(cfg, info.device, source),
     )
 
 
@@ -216,16 +75,5 @@ def build_eval_loader(dataset: Dataset, cfg: LoaderConfig, info: DistInfo) -> Da
         BatchFetch(dataset),
         batch_size=cfg.eval_batch_size,
         sampler=sampler,
-        **_loader_kwargs(cfg, info.device, dataset),
+        **loader_kwargs(cfg, info.device, dataset),
     )
-
-
-def worker_seed(seed: int, rank: int, epoch: int) -> int:
-    """A distinct, reproducible base seed per (seed, rank, epoch)."""
-    return (seed * 1_000_003 + rank * 10_007 + epoch) % 2**63
-
-
-def reseed_for_epoch(loader: DataLoader, seed: int, rank: int, epoch: int) -> None:
-    """Called before each epoch's iterator: workers get seeds that resume reproduces."""
-    if loader.generator is not None:
-        loader.generator.manual_seed(worker_seed(seed, rank, epoch))

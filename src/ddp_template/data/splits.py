@@ -1,5 +1,5 @@
-"""The ``data`` group's builder: the factory instantiated, its contract checked, and the
-validation split carved from the training data (``data.val_fraction``)."""
+"""The ``data`` group's builder: the factory instantiated, its splits accepted by their data
+kind, and the validation split carved from the training data (``data.val_fraction``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from ddp_template.data.contract import IndexedSubset, Splits
+from ddp_template.data.kind import kind_of
 from ddp_template.errors import ConfigError, instantiate_clean
-from ddp_template.streams.contract import check_stream, is_stream
 
 SPLIT_KEYS = ("val_fraction",)  # data keys build_splits applies itself (not the factory's)
 
@@ -22,22 +22,13 @@ def build_splits(data_cfg: Any) -> Splits:
     resolved = OmegaConf.to_container(data_cfg, resolve=True)
     val_fraction = float(resolved.pop("val_fraction", 0.0))
     splits = instantiate_clean(OmegaConf.create(resolved))
+    target = data_cfg.get("_target_")
     if not isinstance(splits, Splits):
         raise ConfigError(
-            f"data._target_={data_cfg.get('_target_')} returned {type(splits).__name__}; a data "
-            f"factory must return ddp_template.data.contract.Splits(train, test, info)."
+            f"data._target_={target} returned {type(splits).__name__}; a data factory must "
+            f"return ddp_template.data.contract.Splits(train, test, info)."
         )
-    if is_stream(splits.train):  # your own IterableDataset: no length, its items checked
-        check_stream(splits.train)
-        if val_fraction > 0:
-            raise ConfigError(
-                f"data.val_fraction={val_fraction} needs a map-style training set to carve from "
-                f"and data._target_={data_cfg.get('_target_')} returned a stream; return a val "
-                f"split from the factory instead, and drop data.val_fraction."
-            )
-        return splits
-    if len(splits.train) == 0:
-        raise ConfigError("the training set is empty; check data.path / data.size.")
+    kind_of(splits).accept(splits, val_fraction=val_fraction, target=target)
     if val_fraction > 0:
         splits = carve_val(splits, val_fraction)
     return splits
@@ -60,4 +51,5 @@ def carve_val(splits: Splits, fraction: float) -> Splits:
         splits.test,
         splits.info,
         IndexedSubset(splits.train, val),
+        splits.kind,
     )

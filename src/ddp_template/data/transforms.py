@@ -113,4 +113,4 @@ def apply_transforms(splits: Splits, cfg: TransformsConfig, seed: int) -> Splits
     train = splits.train
     if train_tf is not None:
         train = Augmented(train, train_tf, seed, for_eval=mapped(train))
-    return Splits(train, mapped(splits.test), info, mapped(splits.val))
+    return Splits(train, mapped(splits.test), info, mapped(splits.val), splits.kind)

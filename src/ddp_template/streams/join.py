@@ -40,25 +40,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.distributed import DistInfo
 
 
 @dataclass(kw_only=True)
 class Joined:
-    """``Trainer.uneven`` under ``uneven=join``: each rank's whole stream, its end shadowed."""
+    """``Trainer.feed`` under ``uneven=join``: each rank's whole stream, its end shadowed."""
 
     info: DistInfo
     workers: int = 1
     switches: dict[str, Any] = field(default_factory=dict)  # stale on a joined rank: caught up
     unread: list[tuple[int, list[str]]] = field(default_factory=list)  # per worker: none
 
-    def micro_batches(
-        self, loader: Any, schedule: EpochSteps, position: int
-    ) -> Iterator[tuple[tuple, float, bool]]:
+    def micro_batches(self, tr: Any, position: int) -> Iterator[tuple[tuple, float, bool]]:
         """Every batch of this rank's stream as ``((x, y, keys, worker), 1.0, True)`` (one a
         step), up to ``max_steps_per_epoch``."""
         self.unread = [(0, []) for _ in range(self.workers)]
+        loader, schedule = tr.loader, tr.schedule
         it, k, cap = iter(loader), schedule.steps_done(position), schedule.max_steps_per_epoch
         while cap is None or k < cap:
             batch = next(it, None)

@@ -8,8 +8,8 @@ only if all have it, and all stop at the first rank that runs out. The collectiv
 step ahead (asynchronously, on a gloo group of its own) and waited for only when that step
 begins, so its latency hides behind the current step's compute. The ranks that still had data
 read the rest of their stream without training on it, and those samples are counted and named,
-per worker, in the epoch's verdict (``data.stream_audit``). This is ``uneven=stop``, the
-default; ``uneven=join`` (``joining.Joined``) trains every rank on all of its data instead.
+per worker, in the epoch's verdict (``streams.verify``). This is ``uneven=stop``, the
+default; ``uneven=join`` (``streams.join.Joined``) trains every rank on all of its data instead.
 """
 
 from __future__ import annotations
@@ -59,12 +59,11 @@ class Agreement:
             # A CPU-side gloo group even under nccl: the flag is read on the host anyway.
             self.group = dist.new_group(backend="gloo")
 
-    def micro_batches(
-        self, loader: Any, schedule: EpochSteps, position: int
-    ) -> Iterator[tuple[tuple, float, bool]]:
+    def micro_batches(self, tr: Any, position: int) -> Iterator[tuple[tuple, float, bool]]:
         """The epoch's micro-batches as ``((x, y, keys, worker), weight, last)`` while every
         rank has a whole step of them, up to ``max_steps_per_epoch``."""
         self.unread = [(0, []) for _ in range(self.workers)]
+        loader, schedule = tr.loader, tr.schedule
         it, k, cap = iter(loader), schedule.steps_done(position), schedule.max_steps_per_epoch
         step = _take(it, schedule.accumulate)
         agreed = self._agree(step, schedule.accumulate)

@@ -1,14 +1,14 @@
 """The epoch plan of sharded data: which (rank, worker) reads which samples, from (seed, epoch).
 
-The epoch's **stream** is the shards in a shuffled order, each read in blocks of
+The epoch's **order** is the shards in a shuffled order, each read in blocks of
 ``shuffle_block`` consecutive samples whose order is shuffled within the block (bounded: a
 worker holds one block, and a resume reads at most one block to get back in place). Slot ``j``
-of the epoch holds ``stream[j mod N]``; the sampler mode (``SAMPLER_MODES``) decides how many
+of the epoch holds ``order[j mod N]``; the sampler mode (``SAMPLER_MODES``) decides how many
 slots there are (padded: ``W x ceil(N/W)``, the repeats at the end named as pads; drop_last:
 ``W x floor(N/W)``, the rest named as drops; exact: N) and how long each rank's list is. Rank r
 holds one **contiguous** range of slots; its range is cut into batches of ``batch_size`` and
 the batches into one contiguous range per loader worker, so every rank has the same number of
-samples (and of steps) whatever the shard sizes, and each worker reads its part of the stream
+samples (and of steps) whatever the shard sizes, and each worker reads its part of the order
 sequentially. A rank's *positions* count in the order its DataLoader hands batches out: round
 robin over its workers, batch ``c`` from worker ``c mod K``; the worker ranges are laid out so
 that the one short batch comes last.
@@ -34,7 +34,7 @@ DEFAULT_SHUFFLE_BLOCK = 256
 
 @dataclass(frozen=True)
 class ShardOrder:
-    """The epoch's stream: shard order, then block-shuffled samples, from (seed, epoch)."""
+    """The epoch's order: shard order, then block-shuffled samples, from (seed, epoch)."""
 
     sizes: tuple[int, ...]  # samples per shard, url order
     seed: int
@@ -46,7 +46,7 @@ class ShardOrder:
         return np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)]).astype(np.int64)
 
     def blocks(self, epoch: int) -> np.ndarray:
-        """The epoch's blocks in stream order, one row (shard, first offset, length) each."""
+        """The epoch's blocks in the order, one row (shard, first offset, length) each."""
         order = np.arange(len(self.sizes))
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch, 0]).permutation(len(self.sizes))
@@ -58,7 +58,7 @@ class ShardOrder:
         return np.array(rows, dtype=np.int64).reshape(-1, 3)
 
     def order(self, epoch: int) -> np.ndarray:
-        """The global index of every stream position (a permutation of 0..N-1)."""
+        """The global index of every position of the order (a permutation of 0..N-1)."""
         blocks = self.blocks(epoch)
         lengths = blocks[:, 2]
         first = self.offsets[blocks[:, 0]] + blocks[:, 1]  # each block's first global index
@@ -140,7 +140,7 @@ class PlanSampler(ShardSampler):
 
     def __init__(
         self,
-        stream: ShardOrder,
+        order: ShardOrder,
         *,
         num_replicas: int,
         rank: int,
@@ -149,11 +149,11 @@ class PlanSampler(ShardSampler):
         workers: int,
         keys: tuple[str, ...] = (),
     ) -> None:
-        n = int(sum(stream.sizes))
+        n = int(sum(order.sizes))
         super().__init__(
-            range(n), num_replicas, rank, shuffle=stream.shuffle, seed=stream.seed, mode=mode
+            range(n), num_replicas, rank, shuffle=order.shuffle, seed=order.seed, mode=mode
         )
-        self.stream, self.batch_size, self.workers = stream, batch_size, max(1, workers)
+        self.shard_order, self.batch_size, self.workers = order, batch_size, max(1, workers)
         self.keys = keys  # each sample's __key__, by global index (reports name samples by it)
         self.rule = OrderRule(self.rule, n, num_replicas, batch_size, self.workers)
         self.permutation = "plan"
@@ -161,7 +161,7 @@ class PlanSampler(ShardSampler):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_perm_cache"] = None  # each worker draws its own epoch's stream
+        state["_perm_cache"] = None  # each worker draws its own epoch's order
         state["_block"] = None
         state["_iterator_token"] = None
         return state
@@ -178,9 +178,9 @@ class PlanSampler(ShardSampler):
         )
 
     def order(self, epoch: int) -> np.ndarray:
-        """The stream of ``epoch`` (the last one asked for is cached)."""
+        """The order of ``epoch`` (the last one asked for is cached)."""
         if self._perm_cache is None or self._perm_cache[0] != epoch:
-            self._perm_cache = (epoch, self.stream.order(epoch))
+            self._perm_cache = (epoch, self.shard_order.order(epoch))
         return self._perm_cache[1]
 
     def set_epoch(self, epoch: int) -> None:
@@ -202,10 +202,10 @@ class PlanSampler(ShardSampler):
 
     def plan_identity(self) -> dict[str, Any]:
         return {
-            "shard_sizes": list(self.stream.sizes),
+            "shard_sizes": list(self.shard_order.sizes),
             "batch_size": self.batch_size,
             "num_workers": self.workers,
-            "shuffle_block": self.stream.block,
+            "shuffle_block": self.shard_order.block,
         }
 
     def state_dict(self, position: int | None = None) -> dict[str, Any]:
