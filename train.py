@@ -66,7 +66,7 @@ from ddp_template.selection import Selection, build_selection
 from ddp_template.sinks.console import setup_console
 from ddp_template.sinks.metrics import RankLogger, log
 from ddp_template.sinks.share_plot import draw_shards_async
-from ddp_template.switches.ema import build_ema
+from ddp_template.switches import build_switches
 
 gc.freeze()  # what was imported lives as long as the process: out of every later pass
 gc.enable()
@@ -110,7 +110,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     if cfg.numerics.channels_last:
         numerics.to_channels_last(model)
     model.to(info.device)
-    switches = research_switches(cfg, model, info)  # plain: never wrapped, never compiled
+    switches = build_switches(cfg, model, info)  # plain: never wrapped, never compiled
     trained = build_ddp(cfg.ddp, model, info)
     if cfg.compile:
         trained = compile_model(trained)  # after DDP, as DDP recommends
@@ -141,12 +141,6 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         amp_mode=str(cfg.amp.mode),
     )
     return Built(kind, trainer, splits, evaluation, build_selection(cfg.selection), switches)
-
-
-def research_switches(cfg: Config, model: torch.nn.Module, info: distributed.DistInfo) -> dict:
-    """The switches that are on: each a checkpoint part with ``after_step(state)``."""
-    on = {"ema": build_ema(cfg.ema, model, info)}
-    return {name: switch for name, switch in on.items() if switch is not None}
 
 
 def checkpointer(

@@ -27,6 +27,10 @@ class EmaConfig:
     every: int = 1  # optimizer steps between EMA updates
     warmup: int = 0  # optimizer steps during which the EMA copies the weights (no averaging)
 
+    @property
+    def on(self) -> bool:
+        return self.decay is not None
+
     def check(self) -> None:
         if self.decay is not None and not 0.0 < self.decay < 1.0:
             raise ConfigError(

@@ -1,0 +1,24 @@
+"""Research-loop switches: stateful parts that act after each optimizer step (the EMA is one).
+
+A switch is a module here with a builder ``build_<switch>(cfg, model, info) -> switch``; the
+switch has ``after_step(state)`` and ``state_dict()``/``load_state_dict()``. ``SWITCHES`` maps
+its config key (a field of the root ``Config`` whose schema has ``on``) to its builder, so a
+switch that is off is never imported. ``build_switches`` is ``train.build``'s one reader.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.utils import get_method
+
+SWITCHES = {"ema": "ddp_template.switches.ema.build_ema"}  # config key → builder
+
+
+def build_switches(cfg: Any, model: Any, info: Any) -> dict[str, Any]:
+    """The switches that are on, by name: each a checkpoint part with ``after_step(state)``."""
+    return {
+        key: get_method(builder)(getattr(cfg, key), model, info)
+        for key, builder in SWITCHES.items()
+        if getattr(cfg, key).on
+    }
