@@ -5,12 +5,15 @@
   (``split_by_worker``) by loader worker; its keys are the indices, all expected. ``skewed``
   (2 ranks): rank 0 reads every third row, rank 1 the rest, so rank 0's stream ends halfway.
 * ``no_key_stream``: the same, yielding ``(x, y)``: nothing to account with.
+* ``env_split_stream``: the digits split by ``RANK``/``WORLD_SIZE`` inside ``__iter__``, as
+  README says a loader worker can; no ``len()``, its ``num_rows`` declared with ``sized``.
 * ``parquet_stream``: Hugging Face ``datasets`` streaming from local Parquet files (pixels,
   label, a string ``id``), split by rank with ``split_dataset_by_node`` or not.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -96,3 +99,28 @@ def parquet_stream(path: str, split_by_node: bool = True) -> Splits:
     num_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
     base = digits()
     return Splits(Rows(rows, num_rows), base.test, base.info, kind=Streamed())
+
+
+class EnvSplitDigits(IterableDataset):
+    """The digits' training set, split by rank from ``RANK``/``WORLD_SIZE`` in ``__iter__`` (a
+    loader worker has the rank's environment but no process group) and by loader worker; no
+    ``len()``, and ``num_rows`` only when ``sized``."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, sized: bool) -> None:
+        self.x, self.y = x, y
+        if sized:
+            self.num_rows = len(y)
+
+    def __iter__(self):
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for j, i in enumerate(range(rank, len(self.y), world)):
+            if j % workers == worker:
+                yield self.x[i], int(self.y[i]), i
+
+
+def env_split_stream(sized: bool = False) -> Splits:
+    base = digits()
+    train = EnvSplitDigits(base.train.x, base.train.y, sized)
+    return Splits(train, base.test, base.info, kind=Streamed())

@@ -141,17 +141,7 @@ def check_stream(train: Any) -> None:
 
 
 def check_run(cfg: Any, splits: Any) -> None:
-    """The run's options its training split cannot honour, each refused in one sentence: a
-    stream's (below) and, for planned data, ``uneven=join``."""
-    if not is_stream(splits.train):
-        if str(cfg.uneven) == "join":
-            raise ConfigError(
-                f"uneven=join needs a training stream (an IterableDataset) but "
-                f"{type(splits.train).__name__} is planned (map-style or sharded data: every "
-                f"rank's steps are dealt before the epoch, so its ends are never uneven); drop "
-                f"uneven=join."
-            )
-        return
+    """The run's options a training stream cannot honour, each refused in one sentence."""
     for name in ("test", "val"):
         if is_stream(getattr(splits, name)):
             raise ConfigError(
@@ -188,6 +178,19 @@ def check_run(cfg: Any, splits: Any) -> None:
     for setting, refused, fix in refusals:
         if refused:
             raise ConfigError(f"{setting} does not work with a training stream: {fix}.")
+    check_horizon(cfg, splits.train)
+
+
+def check_horizon(cfg: Any, train: Any) -> None:
+    """Refuse a schedule that needs the run's length when the stream does not declare its size:
+    ``StreamPosition.epoch_length`` would be one batch per loader worker past the first (none
+    without workers), so the cosine would reach 0 within the run's first steps."""
+    if str(cfg.optim.schedule) == "cosine" and Expected.of(train) is None:
+        raise ConfigError(
+            f"optim.schedule=cosine needs the run's length to decay the LR over and the "
+            f"training stream ({type(train).__name__}) does not declare its size; give it a "
+            f"__len__, a num_rows or an expected_keys attribute, or set optim.schedule=none."
+        )
 
 
 @dataclass(kw_only=True)
