@@ -23,17 +23,25 @@ GROUPS = {
     "syncbn": ["off", "on"],
     "amp": ["off", "bf16", "fp16"],
     "model": ["small_cnn", "resnet18", "torchvision"],
-    "data": ["digits", "synthetic", "cifar10", "mnist", "imagefolder", "array", "webdataset"],
+    "data": ["digits", "synthetic", "cifar10", "mnist", "imagefolder", "array"],
     "optim": ["sgd", "adamw"],
     "logger": ["wandb", "none"],
 }
 
 
+# Options of an optional data kind: composed by the tests in the kind's own folder.
+KIND_OPTIONS = {("data", "webdataset"): "tests/webdataset"}
+
+
 def test_every_group_folder_is_listed() -> None:
-    """A new YAML in conf/<group>/ must be added here (and so get composed below)."""
+    """A new YAML in conf/<group>/ must be added here (and so get composed below), or be an
+    optional kind's, whose tests compose it."""
     for group, options in GROUPS.items():
         on_disk = sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
-        assert on_disk == sorted(options), group
+        kinds = [o for o in on_disk if (group, o) in KIND_OPTIONS]
+        assert sorted(set(on_disk) - set(kinds)) == sorted(options), group
+        for option in kinds:
+            assert (ROOT / KIND_OPTIONS[group, option]).is_dir(), (group, option)
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])

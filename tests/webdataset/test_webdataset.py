@@ -24,7 +24,7 @@ import torch
 from helpers import ROOT, assert_killed_rank_reported, jsonl, run, run_env, train_cmd
 
 from ddp_template.engine import EpochStats
-from ddp_template.errors import ConfigError
+from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
 from ddp_template.ledger.tally import IndexTally, fingerprint_hex, fingerprint_sum
 from ddp_template.ledger.verify import epoch_metrics, epoch_report, own_check
 from ddp_template.webdataset.index import ShardIndex
@@ -251,6 +251,23 @@ def test_the_index_is_cached_beside_the_shards_and_rebuilt_when_one_changes(tmp_
     assert ShardIndex.of("train_urls", pattern).keys[17] == "00000017"  # stale: rebuilt
     x, y, i = ShardSamples(index)[20]
     assert x.shape == (1, 8, 8) and y == 20 % 3 and i == 20
+
+
+def test_train_py_exits_2_on_a_missing_shard(tmp_path) -> None:
+    """Through train.py: the shard index's sentence, exit 2, no traceback."""
+    cmd = train_cmd(
+        tmp_path,
+        "logger=none",
+        "epochs=1",
+        "data=webdataset",
+        f"data.train_urls='{tmp_path / 'train-{000000..000001}.tar'}'",
+        f"data.test_urls='{tmp_path / 'test-000000.tar'}'",
+    )
+    proc = run(cmd, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_CONFIG_ERROR, output[-3000:]
+    assert "train-000000.tar, which does not exist" in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
 
 
 def test_bad_shards_are_refused_in_one_sentence(tmp_path) -> None:
