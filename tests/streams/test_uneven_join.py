@@ -24,6 +24,7 @@ from ddp_template.models import small_cnn
 from ddp_template.optim import WarmupCosine
 from ddp_template.parallel import build_ddp
 from ddp_template.preemption import Preemption
+from ddp_template.streams.contract import StreamPosition
 from ddp_template.streams.join import Joined
 from ddp_template.streams.stop import StreamSteps
 from ddp_template.switches.ema import build_ema
@@ -71,7 +72,7 @@ def run_scenario(rank: int, name: str) -> dict:
         scheduler=sched,
         scaler=torch.amp.GradScaler("cpu", enabled=False),
         loader=batches(rank, lengths[rank]),
-        sampler=None,
+        sampler=StreamPosition(expected=None, world_size=W, batch_size=B, workers=0),
         info=info,
         log_every=1000,
         schedule=StreamSteps(length=B * max(lengths), batch_size=B, epochs=1),

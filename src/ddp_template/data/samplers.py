@@ -283,6 +283,12 @@ class ShardSampler(DistributedSampler[int]):
         positions = as_positions(positions)
         return self._slots(positions, self._rank(rank)) >= self.dataset_size
 
+    def worker_lanes(self, position: int) -> tuple[int, int]:
+        """(workers, the worker of the first batch) for a tally of the epoch from here: one
+        lane, since this sampler deals no ranges to loader workers (the plan of tar shards
+        does)."""
+        return 1, 0
+
     def padding_in_prefix(self, n: int, rank: int | None = None) -> int:
         """How many of a rank's first n positions are padding; O(1), for `data/duplicates`."""
         rank = self._rank(rank)
