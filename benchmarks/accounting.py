@@ -96,7 +96,7 @@ def after(n: int, world: int, repeats: int) -> dict[str, Any]:
         rows = [pickle.loads(mine) for _ in range(world)]  # every rank's row, unpickled
         report = epoch_report(sampler, rows)
         times.append(time.perf_counter() - t0)
-    assert report["verdict"] == "ok" and report["coverage"] == 1.0, report
+    assert str(report.verdict) == "ok" and report.coverage.fraction == 1.0, report
     return {"s": times, "bytes": wire_bytes([mine], world), "peak": peak}
 
 
@@ -143,7 +143,7 @@ def before(n: int, world: int, repeats: int) -> dict[str, Any]:
         else:
             times.append(elapsed)
             parts.append((t2 - t1, elapsed - (t2 - t1)))
-    assert report["verdict"] == "ok" or not keep, report["verdict"]
+    assert str(report.verdict) == "ok" or not keep, str(report.verdict)
     expected_s, rest_s = (statistics.median(p) for p in zip(*parts, strict=True))
     return {
         "s": times,

@@ -9,6 +9,7 @@ import pytest
 
 from ddp_template.data.samplers import ShardSampler
 from ddp_template.engine import EpochStats
+from ddp_template.ledger.records import Coverage
 from ddp_template.ledger.tally import IndexTally, fingerprint, fingerprint_sum
 from ddp_template.ledger.verify import (
     all_match,
@@ -94,18 +95,19 @@ def _report(n: int, w: int, mode: str, seeds: list[int], epochs: list[int], upto
 )
 def test_report_for_each_mode(mode: str, coverage: float, overlap: int) -> None:
     report = _report(11, 2, mode, [0, 0], [1, 1])
-    assert report["verdict"] == "ok"
-    assert report["coverage"] == pytest.approx(coverage) and report["overlap"] == overlap
-    assert [r["samples"] for r in report["ranks"]] == ([5, 5] if mode == "drop_last" else [6, 6])
+    assert str(report.verdict) == "ok"
+    c = report.coverage
+    assert c.fraction == pytest.approx(coverage) and c.overlap == overlap
+    assert [r.samples for r in report.ranks] == ([5, 5] if mode == "drop_last" else [6, 6])
 
 
 def test_a_prefix_is_fine_but_a_wrong_seed_or_missing_set_epoch_is_not() -> None:
-    assert _report(1000, 4, "padded", [0] * 4, [1] * 4, upto=100)["verdict"] == "ok"
+    assert str(_report(1000, 4, "padded", [0] * 4, [1] * 4, upto=100).verdict) == "ok"
     wrong_seed = _report(1000, 4, "padded", [0, 0, 7, 0], [1] * 4)
-    assert wrong_seed["verdict"].startswith("MISMATCH") and "rank 2" in wrong_seed["verdict"]
-    assert wrong_seed["overlap"] > 0  # and it shows: samples seen by two ranks
+    assert str(wrong_seed.verdict).startswith("MISMATCH") and "rank 2" in str(wrong_seed.verdict)
+    assert wrong_seed.coverage.overlap > 0  # and it shows: samples seen by two ranks
     stale = _report(1000, 4, "padded", [0] * 4, [0, 1, 1, 1])  # rank 0 forgot set_epoch
-    assert "rank 0" in stale["verdict"] and "rank 1" not in stale["verdict"]
+    assert "rank 0" in str(stale.verdict) and "rank 1" not in str(stale.verdict)
 
 
 def test_expected_fingerprint_needs_no_full_list_for_huge_n() -> None:
@@ -127,19 +129,14 @@ def test_tally_folds_many_batches_without_losing_any() -> None:
 
 
 # ------------------------------------------------ each rank checks itself; rank 0 gets rows only
-def _oracle_coverage(n: int, lists: list[np.ndarray]) -> dict:
+def _oracle_coverage(n: int, lists: list[np.ndarray]) -> Coverage:
     """Coverage, overlap and repeats counted from the index lists, with sets."""
     seen = [set(idx.tolist()) for idx in lists]
     covered = len(set().union(*seen))
     owners = {i: sum(i in s for s in seen) for i in set().union(*seen)}
     reads = sum(len(idx) for idx in lists)
     overlap = sum(k > 1 for k in owners.values())
-    return {
-        "coverage": covered / n,
-        "covered": covered,
-        "overlap": overlap,
-        "repeats": reads - covered,
-    }
+    return Coverage(fraction=covered / n, covered=covered, overlap=overlap, repeats=reads - covered)
 
 
 @pytest.mark.parametrize("mode", ["padded", "drop_last", "sequential"])
@@ -179,10 +176,10 @@ def test_a_clean_epoch_is_reported_exactly_from_rows_alone(mode: str, start: int
     count = samplers[0].num_samples - start if count is None else count
     rows, lists = _epoch_rows(samplers, start, count)
     report = epoch_report(samplers[0], rows)
-    assert report["verdict"] == "ok" and all(r["matches"] for r in report["ranks"])
+    assert str(report.verdict) == "ok" and all(r.matches for r in report.ranks)
     from_lists = epoch_report(samplers[0], rows, lists)
-    keys = ("coverage", "covered", "overlap", "repeats", "total_samples")
-    assert {k: report[k] for k in keys} == {k: from_lists[k] for k in keys}
+    assert report.coverage == from_lists.coverage
+    assert report.total_samples == from_lists.total_samples
     assert len(pickle.dumps(rows)) < 2048  # what the ranks exchange: no index list
 
 
@@ -193,18 +190,18 @@ def test_a_wrong_seed_passes_its_own_check_but_not_the_definitions() -> None:
     assert not all_match(rows)
     report = epoch_report(samplers[0], rows, lists)
     assert (
-        report["verdict"]
+        str(report.verdict)
         == "MISMATCH: rank 2's sampler defines another padded epoch than the others"
     )
-    assert [r["matches"] for r in report["ranks"]] == [True, True, False, True]
-    assert report["overlap"] > 0  # the lists gathered on a mismatch show it
+    assert [r.matches for r in report.ranks] == [True, True, False, True]
+    assert report.coverage.overlap > 0  # the lists gathered on a mismatch show it
 
 
 def test_the_odd_rank_out_is_named_even_when_it_is_rank_0() -> None:
     stale = _samplers(1000, 4, "drop_last", [0] * 4, [0, 1, 1, 1])  # rank 0 missed set_epoch
     report = epoch_report(stale[0], _epoch_rows(stale, 0, 250)[0])
-    assert "rank 0" in report["verdict"] and "rank 1" not in report["verdict"]
-    assert "coverage" not in report  # no lists, no derived coverage after a mismatch
+    assert "rank 0" in str(report.verdict) and "rank 1" not in str(report.verdict)
+    assert report.coverage is None  # no lists, no derived coverage after a mismatch
 
 
 def test_a_loader_that_reads_another_ranks_batch_is_caught() -> None:
@@ -213,11 +210,11 @@ def test_a_loader_that_reads_another_ranks_batch_is_caught() -> None:
     wrong[8:16] = samplers[1].rank_indices()[8:16]
     rows, _ = _epoch_rows(samplers, 0, 100, seen={3: wrong})
     report = epoch_report(samplers[0], rows)
-    assert report["verdict"] == "MISMATCH: rank 3 saw indices that differ from its padded shard"
+    assert str(report.verdict) == "MISMATCH: rank 3 saw indices that differ from its padded shard"
 
 
 def test_a_rank_that_reads_past_its_list_mismatches_instead_of_raising() -> None:
     samplers = _samplers(1000, 4, "padded", [0] * 4, [1] * 4)
     extra = np.append(samplers[1].rank_indices()[200:], 5)
     report = epoch_report(samplers[0], _epoch_rows(samplers, 200, 50, seen={1: extra})[0])
-    assert report["verdict"] == "MISMATCH: rank 1 saw indices that differ from its padded shard"
+    assert str(report.verdict) == "MISMATCH: rank 1 saw indices that differ from its padded shard"

@@ -184,12 +184,13 @@ def test_verdict_checks_the_exact_layout() -> None:
         s.set_epoch(3)
     lists = [s.rank_indices() for s in samplers]
     report = epoch_report(samplers[0], _rows(samplers, lists))
-    assert report["verdict"] == "ok" and report["total_samples"] == 11
-    assert (report["coverage"], report["overlap"], report["repeats"]) == (1.0, 0, 0)
+    assert str(report.verdict) == "ok" and report.total_samples == 11
+    c = report.coverage
+    assert (c.fraction, c.overlap, c.repeats) == (1.0, 0, 0)
     padded = ShardSampler(range(11), 2, 1, mode="padded")
     padded.set_epoch(3)
     bad = epoch_report(samplers[0], _rows(samplers, [lists[0], padded.rank_indices()]))
-    assert bad["verdict"].startswith("MISMATCH: rank 1 saw indices that differ")
+    assert str(bad.verdict).startswith("MISMATCH: rank 1 saw indices that differ")
 
 
 def test_replay_reports_the_empty_micro_batch(compose_cfg, tmp_path: Path, capsys) -> None:

@@ -114,16 +114,16 @@ def test_a_clean_epoch_exchanges_rows_only_and_is_exact(ranks: list[dict[str, An
 
     clean = [r["clean"] for r in ranks]
     report = clean[0]["report"]
-    assert report["verdict"] == "ok" and clean[1]["report"] is None
+    assert str(report.verdict) == "ok" and clean[1]["report"] is None
     assert not clean[0]["warnings"]
     assert [len(c["sent"]) for c in clean] == [1, 1] and max(clean[0]["sent"]) < 1024
     truth = ShardSampler(range(N), WORLD, 0, seed=0, mode="padded")
     truth.set_epoch(2)
     lists = [truth.rank_indices(r)[START : START + COUNT] for r in range(WORLD)]
     union = np.unique(np.concatenate(lists))
-    assert report["covered"] == len(union) and report["coverage"] == len(union) / N
-    assert report["repeats"] == WORLD * COUNT - len(union)
-    assert report["total_samples"] == WORLD * COUNT
+    assert report.coverage.covered == len(union) and report.coverage.fraction == len(union) / N
+    assert report.coverage.repeats == WORLD * COUNT - len(union)
+    assert report.total_samples == WORLD * COUNT
 
 
 @pytest.mark.parametrize(
@@ -137,8 +137,8 @@ def test_a_wrong_shard_on_one_rank_is_a_shard_mismatch(
     ranks: list[dict[str, Any]], scenario: str, problem: str
 ) -> None:
     got = ranks[0][scenario]
-    assert got["report"]["verdict"] == f"MISMATCH: {problem}"
-    assert [r["matches"] for r in got["report"]["ranks"]] == [True, False]
+    assert str(got["report"].verdict) == f"MISMATCH: {problem}"
+    assert [r.matches for r in got["report"].ranks] == [True, False]
     (warning,) = got["warnings"]
     assert warning.startswith("SHARD MISMATCH in epoch 2: MISMATCH: " + problem)
     assert not ranks[1][scenario]["warnings"]  # the report and its warning are rank 0's
@@ -147,5 +147,5 @@ def test_a_wrong_shard_on_one_rank_is_a_shard_mismatch(
 def test_after_a_mismatch_the_kept_lists_are_gathered(ranks: list[dict[str, Any]]) -> None:
     wrong_seed, skipped = ranks[0]["wrong_seed"], ranks[0]["skipped_batch"]
     assert len(wrong_seed["sent"]) == 2 and wrong_seed["sent"][1] > 8 * COUNT  # the index list
-    assert wrong_seed["report"]["overlap"] > 0  # two seeds: samples read by both ranks
-    assert len(skipped["sent"]) == 1 and "coverage" not in skipped["report"]  # none were kept
+    assert wrong_seed["report"].coverage.overlap > 0  # two seeds: samples read by both ranks
+    assert len(skipped["sent"]) == 1 and skipped["report"].coverage is None  # none were kept

@@ -6,6 +6,7 @@ read back from a real offline run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from ddp_template.config.boundary import check, typed
 from ddp_template.config.schema import LoggerConfig, SystemMetrics, WandbLayout, WandbMode
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
+from ddp_template.ledger.records import EpochReport
 from ddp_template.ledger.tally import fingerprint_sum
 from ddp_template.ledger.verify import shard_report
 from ddp_template.run_identity import RunInfo
@@ -85,11 +87,11 @@ def test_shared_settings_make_rank0_primary() -> None:
     assert [s.x_label for s in settings] == ["rank0", "rank1", "rank2", "rank3"]
 
 
-def _report(ok: bool, ratio: float) -> dict:
+def _report(ok: bool, ratio: float) -> EpochReport:
     seen = fingerprint_sum(np.arange(4))
     observed = [{"samples": 4, "duplicates": 0, "fingerprint": seen}]
     report = shard_report("padded", 4, observed, [seen if ok else seen + 1])
-    return {**report, "slowest_rank": 0, "step_s_max_over_min": ratio}
+    return dataclasses.replace(report, slowest_rank=0, step_s_max_over_min=ratio)
 
 
 def test_alerts_once_and_best_checkpoint_versions(

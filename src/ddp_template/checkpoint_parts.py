@@ -13,6 +13,7 @@ from typing import Any
 from ddp_template.data.sampler_state import check_order
 from ddp_template.engine import Trainer, TrainState
 from ddp_template.errors import Misfit
+from ddp_template.ledger.records import PriorSegment, SavedLedger, Tallied
 from ddp_template.ledger.tally import join_ledgers
 
 
@@ -45,16 +46,16 @@ class Progress:
         s = self.state
         s.epoch, s.step, s.prior, s.position = saved["epoch"], saved["step"], saved["prior"], 0
         if saved["position"]:
-            prefix = {
-                "world_size": world_size,
-                "position": saved["position"],
-                "complete": saved["complete"],
-                "steps": saved["segment_steps"],
-                "batch_size": saved["batch_size"],
-                "accumulate": saved["accumulate"],
-                "first_step": saved["step"] - saved["segment_steps"] + 1,
-                "ledgers": None,  # the old ranks' (Ledger.load_resized)
-            }
+            prefix = PriorSegment(
+                world_size=world_size,
+                position=saved["position"],
+                complete=saved["complete"],
+                steps=saved["segment_steps"],
+                batch_size=saved["batch_size"],
+                accumulate=saved["accumulate"],
+                first_step=saved["step"] - saved["segment_steps"] + 1,
+                ledgers=None,  # the old ranks' (Ledger.load_resized)
+            )
             s.prior = [*saved["prior"], prefix]
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
@@ -98,14 +99,14 @@ class Ledger:
 
     state: TrainState
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> SavedLedger:
         s, tally = self.state, self.state.tally
         if tally is None or s.position == 0:
-            return {"epoch": s.epoch, "position": s.position, "samples": 0}
+            return SavedLedger(epoch=s.epoch, position=s.position, samples=0)
         carried = s.carried if s.carried and s.carried["epoch"] == s.epoch else None
-        return {"epoch": s.epoch, "position": s.position, **join_ledgers(carried, tally)}
+        return SavedLedger(epoch=s.epoch, position=s.position, **join_ledgers(carried, tally))
 
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
+    def load_state_dict(self, saved: SavedLedger) -> None:
         if saved["position"] != self.state.position or saved["epoch"] != self.state.epoch:
             raise Misfit(
                 f"its ledger stands at epoch {saved['epoch']}, position {saved['position']} but "
@@ -114,7 +115,7 @@ class Ledger:
             )
         self.state.carried = saved if saved["samples"] else None
 
-    def load_resized(self, saved: list[dict[str, Any]], *, world_size: int) -> None:
+    def load_resized(self, saved: list[SavedLedger], *, world_size: int) -> None:
         """The old ranks' ledgers go with the prefix they read; this rank's starts empty."""
         s = self.state
         self.state.carried = None
@@ -128,8 +129,14 @@ class Ledger:
                     f"{ledger['position']} but the run's progress at epoch {s.epoch}, position "
                     f"{prefix['position']}; the checkpoint is inconsistent: resume from another."
                 )
-        keys = ("samples", "fingerprint", "workers")
-        prefix["ledgers"] = [{k: ledger.get(k, 0) for k in keys} for ledger in saved]
+        prefix["ledgers"] = [
+            Tallied(
+                samples=ledger["samples"],
+                fingerprint=ledger.get("fingerprint", 0),
+                workers=ledger.get("workers", []),
+            )
+            for ledger in saved
+        ]
 
     def start_fresh(self) -> str:
         return "no ledger saved: a resumed epoch's data/epoch_* keys count from the resume"

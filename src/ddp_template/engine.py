@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_template.amp import autocast
 from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.distributed import DistInfo
+from ddp_template.ledger.records import PriorSegment, SavedLedger
 from ddp_template.ledger.tally import IndexTally
 
 
@@ -67,15 +68,14 @@ class TrainState:
     position: int = 0  # positions of the current epoch stepped through (alike on every rank)
     tally: IndexTally | None = None  # this launch's tally of the current epoch (the ledger part)
     # The ledger of the current epoch's part read before a resume (from the checkpoint).
-    carried: dict[str, Any] | None = None
-    # The current epoch's prefixes read at other world sizes, oldest first (elastic resume):
-    # world_size, position, complete, steps, batch_size, accumulate and the old ranks' ledgers.
-    prior: list[dict[str, Any]] = field(default_factory=list)
+    carried: SavedLedger | None = None
+    # The current epoch's prefixes read at other world sizes, oldest first (elastic resume).
+    prior: list[PriorSegment] = field(default_factory=list)
 
     @property
     def steps_before(self) -> int:
         """Steps of the current epoch run at other world sizes."""
-        return sum(int(p["steps"]) for p in self.prior)
+        return sum(p["steps"] for p in self.prior)
 
 
 @dataclass(kw_only=True)
@@ -213,10 +213,9 @@ def steps_this_epoch(tr: Trainer, state: TrainState) -> int:
 
 
 def new_tally(tr: Trainer, position: int) -> IndexTally:
-    """This epoch's tally; per loader worker where the sampler deals them ranges (sharded
-    data's plan: ``worker_lanes``)."""
-    lanes = getattr(tr.sampler, "worker_lanes", None)
-    workers, first = lanes(position) if lanes is not None else (1, 0)
+    """This epoch's tally; per loader worker where the sampler deals them ranges
+    (``worker_lanes``)."""
+    workers, first = tr.sampler.worker_lanes(position)
     return IndexTally(keep=tr.keep_indices, workers=workers, first_worker=first)
 
 

@@ -92,14 +92,14 @@ def test_the_wrapper_on_a_webdataset_pipeline_names_a_missing_worker_split(
     assert sum(len(b) for b in labels) == 40 * (1 if split_by_worker else K)
     report = loader.verdict(echo=False)
     if split_by_worker:
-        assert report["verdict"] == "ok", report["verdict"]
-        assert [w["samples"] for w in report["workers"]] == [20, 20]
+        assert str(report.verdict) == "ok", str(report.verdict)
+        assert [w.samples for w in report.workers] == [20, 20]
     else:
-        assert "every sample was read by each loader worker (40 samples 2x)" in report["verdict"]
-        assert "split_by_worker" in report["verdict"]
-        assert not any(w["matches"] for w in report["workers"])
-    assert report["coverage"] == 1.0
-    assert loader.verdict(echo=False)["total_samples"] == 0  # the next epoch starts empty
+        assert "every sample was read by each loader worker (40 samples 2x)" in str(report.verdict)
+        assert "split_by_worker" in str(report.verdict)
+        assert not any(w.matches for w in report.workers)
+    assert report.coverage.fraction == 1.0
+    assert loader.verdict(echo=False).total_samples == 0  # the next epoch starts empty
 
 
 def test_a_resume_that_restarts_a_hugging_face_stream_names_the_replayed_samples(tmp_path) -> None:
@@ -127,11 +127,11 @@ def test_a_resume_that_restarts_a_hugging_face_stream_names_the_replayed_samples
     resumed = stream()
     resumed.load_state_dict(position)
     ok = read(resumed, state=saved).verdict(echo=False)
-    assert ok["verdict"] == "ok", ok["verdict"]
-    assert ok["covered"] == N and ok["replayed"] == 0
+    assert str(ok.verdict) == "ok", str(ok.verdict)
+    assert ok.coverage.covered == N and ok.replayed == 0
     restarted = read(stream(), state=saved).verdict(echo=False)
-    assert "320 samples replayed" in restarted["verdict"], restarted["verdict"]
-    assert restarted["repeats"] == 320 and restarted["covered"] == N
+    assert "320 samples replayed" in str(restarted.verdict), str(restarted.verdict)
+    assert restarted.coverage.repeats == 320 and restarted.coverage.covered == N
 
 
 def _keys(*ranges: range) -> list[np.ndarray]:
@@ -141,28 +141,28 @@ def _keys(*ranges: range) -> list[np.ndarray]:
 def test_the_verdict_names_each_symptom_from_the_keys() -> None:
     expected = Expected.of([f"k{i}" for i in range(40)])
     ok = key_report([_keys(range(0, 10), range(10, 20)), _keys(range(20, 30), range(30, 40))])
-    assert ok["verdict"] == "ok" and ok["covered"] == 40
+    assert str(ok.verdict) == "ok" and ok.coverage.covered == 40
     same = key_report([_keys(range(0, 20), range(20, 40))] * 2, expected=expected)
-    assert "every rank read the same 40 samples" in same["verdict"]
-    assert "split_dataset_by_node" in same["verdict"]
+    assert "every rank read the same 40 samples" in str(same.verdict)
+    assert "split_dataset_by_node" in str(same.verdict)
     pairs = key_report(
         [_keys(range(0, 12), range(10, 20)), _keys(range(20, 30), range(30, 40))],
         expected=expected,
     )
-    assert "rank 0 worker 0 and rank 0 worker 1 read the same 2 samples" in pairs["verdict"]
-    assert [w["matches"] for w in pairs["workers"]] == [False, False, True, True]
+    assert "rank 0 worker 0 and rank 0 worker 1 read the same 2 samples" in str(pairs.verdict)
+    assert [w.matches for w in pairs.workers] == [False, False, True, True]
     unread = key_report(
         [_keys(range(0, 10), range(10, 20)), _keys(range(20, 30), range(30, 38))],
         expected=expected,
         unread=[[(0, []), (0, [])], [(0, []), (2, ["k38", "k39"])]],
     )
-    assert "2 samples left unread: all ranks stopped when rank 0 ran out" in unread["verdict"]
-    assert "rank 1 worker 1: 2 (k38, k39)" in unread["verdict"]
-    assert "read by no rank" not in unread["verdict"]  # the unread ones are not missing too
+    assert "2 samples left unread: all ranks stopped when rank 0 ran out" in str(unread.verdict)
+    assert "rank 1 worker 1: 2 (k38, k39)" in str(unread.verdict)
+    assert "read by no rank" not in str(unread.verdict)  # the unread ones are not missing too
     missing = key_report([_keys(range(0, 10)), _keys(range(20, 30))], expected=expected)
-    assert "20 of the 40 expected samples were read by no rank" in missing["verdict"]
+    assert "20 of the 40 expected samples were read by no rank" in str(missing.verdict)
     dup = key_report([[np.array([1, 2, 2, 3])]])
-    assert dup["verdict"] == "MISMATCH: rank 0 worker 0 read 1 sample more than once"
+    assert str(dup.verdict) == "MISMATCH: rank 0 worker 0 read 1 sample more than once"
 
 
 class Pairs(IterableDataset):

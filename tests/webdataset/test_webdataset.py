@@ -25,6 +25,7 @@ from helpers import ROOT, assert_killed_rank_reported, jsonl, run, run_env, trai
 
 from ddp_template.engine import EpochStats
 from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
+from ddp_template.ledger.records import EpochReport
 from ddp_template.ledger.tally import IndexTally, fingerprint_hex, fingerprint_sum
 from ddp_template.ledger.verify import epoch_metrics, epoch_report, own_check
 from ddp_template.webdataset.index import ShardIndex
@@ -86,7 +87,7 @@ def round_robin(per_worker: list[np.ndarray], batch: int = B) -> list[np.ndarray
     return out
 
 
-def epoch_verdict(ss: list[PlanSampler], epoch: int, start: int, reads) -> dict:
+def epoch_verdict(ss: list[PlanSampler], epoch: int, start: int, reads) -> EpochReport:
     """Rank 0's report on one epoch in which loader worker w of rank r read
     ``reads(sampler, rank, w)`` (the plan's own range when ``reads`` is the plan's)."""
     rows = []
@@ -177,13 +178,14 @@ def test_a_resumed_worker_reads_at_most_one_shuffle_block_before_its_place(tmp_p
 def test_the_plan_read_as_planned_is_ok_and_names_its_pads() -> None:
     ss = samplers()
     report = epoch_verdict(ss, 1, 0, planned)
-    assert report["verdict"] == "ok", report
+    assert str(report.verdict) == "ok", report
     # the pad repeats the stream's first sample (rank 0's) on rank 1: one overlap, one repeat
-    assert report["coverage"] == 1.0 and report["overlap"] == 1 and report["repeats"] == 1
-    assert len(report["pads"]) == 1 and len(report["workers"]) == W * K
-    assert all(w["matches"] for w in report["workers"])
+    c = report.coverage
+    assert c.fraction == 1.0 and c.overlap == 1 and c.repeats == 1
+    assert len(report.pads) == 1 and len(report.workers) == W * K
+    assert all(w.matches for w in report.workers)
     resumed = epoch_verdict(ss, 1, 2 * B, lambda s, r, w: planned(s, r, w, 2 * B))
-    assert resumed["verdict"] == "ok", resumed
+    assert str(resumed.verdict) == "ok", resumed
 
 
 def whole_rank(s: PlanSampler, r: int, w: int) -> np.ndarray:
@@ -205,15 +207,15 @@ MUTATIONS = {
 def test_mutations_turn_the_verdict_to_a_shard_mismatch(name) -> None:
     reads, said = MUTATIONS[name]
     report = epoch_verdict(samplers(), 1, 0, reads)
-    assert report["verdict"].startswith("MISMATCH"), report
-    assert said in report["verdict"], report["verdict"]
+    assert str(report.verdict).startswith("MISMATCH"), report
+    assert said in str(report.verdict), str(report.verdict)
 
 
 def test_a_resume_that_restarts_the_epoch_is_a_shard_mismatch() -> None:
     start = 2 * B  # the checkpoint's position; the mutation reads the epoch from 0 again
     report = epoch_verdict(samplers(), 1, start, lambda s, r, w: planned(s, r, w, 0))
-    assert report["verdict"].startswith("MISMATCH"), report
-    assert "rank 0 saw indices that differ" in report["verdict"]
+    assert str(report.verdict).startswith("MISMATCH"), report
+    assert "rank 0 saw indices that differ" in str(report.verdict)
 
 
 def test_a_worker_cursor_and_a_foreign_plan_in_the_checkpoint() -> None:

@@ -8,11 +8,11 @@ exactly the samples its sampler mode defines.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from ddp_template.data.splitmix import splitmix64
+from ddp_template.ledger.records import SavedLedger, Tallied
 
 _M64 = 2**64 - 1
 
@@ -123,11 +123,11 @@ class IndexTally:
         return np.concatenate(self.kept_workers) if self.kept_workers else np.zeros(0, np.int64)
 
 
-def join_ledgers(before: dict[str, Any] | None, tally: IndexTally) -> dict[str, Any]:
+def join_ledgers(before: SavedLedger | None, tally: IndexTally) -> Tallied:
     """``tally``'s counts and fingerprints (per worker too), plus ``before``'s: the ledger of
     an epoch read partly before a resume (``before``, from the checkpoint) and partly after."""
     workers = [[n, fp] for n, fp in zip(tally.worker_samples, tally.worker_fps, strict=True)]
-    joined = {"samples": tally.samples, "fingerprint": tally.fp, "workers": workers}
+    joined = Tallied(samples=tally.samples, fingerprint=tally.fp, workers=workers)
     if before:
         joined["samples"] += before["samples"]
         joined["fingerprint"] = (joined["fingerprint"] + before["fingerprint"]) & _M64

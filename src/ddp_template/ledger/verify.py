@@ -14,12 +14,28 @@ fastest's.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ddp_template.data.splitmix import splitmix64
 from ddp_template.distributed import DistInfo, gather_objects
+from ddp_template.ledger.records import (
+    Coverage,
+    Definition,
+    EpochReport,
+    PriorCheck,
+    PriorLine,
+    PriorSegment,
+    RankLine,
+    RankRow,
+    SavedLedger,
+    Seen,
+    Verdict,
+    WorkerCheck,
+    WorkerLine,
+)
 from ddp_template.ledger.tally import fingerprint_hex, fingerprint_sum, join_ledgers
 
 _M64 = 2**64 - 1
@@ -27,8 +43,8 @@ DEFINITION_PROBES = 64  # slots of the epoch hashed into a rank's definition dig
 
 
 def epoch_metrics(
-    stats: Any, sampler: Any, start: int, epoch: int, carried: dict[str, Any] | None = None
-) -> dict[str, Any]:
+    stats: Any, sampler: Any, start: int, epoch: int, carried: SavedLedger | None = None
+) -> dict[str, float | str]:
     """This rank's ``data/*`` and ``perf/*`` numbers for one epoch that began at ``start``;
     an epoch resumed mid-way with ``carried`` (the ledger read before the resume) also gets
     ``data/epoch_*``: the whole epoch's, both launches joined."""
@@ -59,10 +75,10 @@ def verify_epoch(
     stats: Any,
     sampler: Any,
     start: int,
-    metrics: dict[str, Any],
+    metrics: dict[str, float | str],
     info: DistInfo,
-    prior: list[dict[str, Any]] = (),
-) -> dict[str, Any] | None:
+    prior: list[PriorSegment] = (),
+) -> EpochReport | None:
     """Check this rank's epoch, gather every rank's row: the report on rank 0, None elsewhere.
 
     A collective: call it on every rank. ``start`` is the sampler position the epoch began at
@@ -71,7 +87,7 @@ def verify_epoch(
     """
     row = own_check(stats, sampler, start, metrics, rank=info.rank)
     row["prior"] = prior_checks(sampler, prior, rank=info.rank)
-    rows = gather_objects(row, info)
+    rows: list[RankRow] = gather_objects(row, info)
     lists = None
     # Every rank holds the same rows, so every rank takes (or skips) this second collective.
     if not all_match(rows) and all(row["kept"] for row in rows):
@@ -82,8 +98,8 @@ def verify_epoch(
 
 
 def own_check(
-    stats: Any, sampler: Any, start: int, metrics: dict[str, Any], *, rank: int
-) -> dict[str, Any]:
+    stats: Any, sampler: Any, start: int, metrics: dict[str, float | str], *, rank: int
+) -> RankRow:
     """This rank's row of the gather: what it saw, the fingerprint its own shard defines for
     that (O(samples) time, O(1) memory) and its sampler's definition of the epoch."""
     tally = stats.tally
@@ -91,23 +107,24 @@ def own_check(
     defined = max(0, min(samples, sampler.num_samples - start))  # more than its list never matches
     workers = tally.workers if hasattr(sampler, "worker_of") else 1
     expected = expected_fingerprints(sampler, rank, start, defined, workers=workers)
-    row = {
-        "samples": samples,
-        "duplicates": metrics["data/duplicates"],
-        "fingerprint": tally.fp,
-        "expected": sum(expected) & _M64,
-        "definition": definition(sampler),
-        "step_s": metrics["perf/step_s"],
-        "start": start,
-        "kept": tally.keep,
-    }
+    row = RankRow(
+        samples=samples,
+        duplicates=int(metrics["data/duplicates"]),
+        fingerprint=tally.fp,
+        expected=sum(expected) & _M64,
+        definition=definition(sampler),
+        step_s=float(metrics["perf/step_s"]),
+        start=start,
+        kept=tally.keep,
+        prior=[],
+    )
     if workers > 1:  # each loader worker against its own range of the plan
         seen = zip(tally.worker_samples, tally.worker_fps, expected, strict=True)
-        row["workers"] = [{"samples": n, "fingerprint": fp, "expected": e} for n, fp, e in seen]
+        row["workers"] = [WorkerCheck(samples=n, fingerprint=fp, expected=e) for n, fp, e in seen]
     return row
 
 
-def prior_checks(sampler: Any, prior: list[dict[str, Any]], *, rank: int) -> list[dict]:
+def prior_checks(sampler: Any, prior: list[PriorSegment], *, rank: int) -> list[PriorCheck]:
     """The old ranks' ledgers of this epoch's prefixes against what their samplers defined:
     old rank q is checked by rank q mod W (O(prefix / W) per rank)."""
     checks = []
@@ -115,59 +132,66 @@ def prior_checks(sampler: Any, prior: list[dict[str, Any]], *, rank: int) -> lis
         old = sampler.prefix_sampler(i)
         for q in range(rank, old.num_replicas, sampler.num_replicas):
             ledger = prefix["ledgers"][q]
-            count = min(int(ledger["samples"]), old.length_of(q))
-            row = {"segment": i, "world_size": old.num_replicas, "rank": q}
-            row |= {"samples": int(ledger["samples"]), "fingerprint": int(ledger["fingerprint"])}
-            checks.append(row | {"expected": expected_fingerprint(old, q, 0, count)})
+            samples = int(ledger["samples"])
+            count = min(samples, old.length_of(q))
+            check = PriorCheck(
+                segment=i,
+                world_size=old.num_replicas,
+                rank=q,
+                samples=samples,
+                fingerprint=int(ledger["fingerprint"]),
+                expected=expected_fingerprint(old, q, 0, count),
+            )
+            checks.append(check)
     return checks
 
 
 def epoch_report(
-    sampler: Any, rows: list[dict[str, Any]], lists: list[np.ndarray] | None = None
-) -> dict[str, Any]:
+    sampler: Any, rows: list[RankRow], lists: list[np.ndarray] | None = None
+) -> EpochReport:
     """Rank 0's report from every rank's ``own_check`` row (and, after a mismatch, the ranks'
     index lists): O(W) work, plus O(N) only on the mismatch path with lists. After a resume at
     another world size the report covers the whole epoch: the prefixes' old ranks too."""
     expected = agreed_expectations(rows)
-    prior = sorted((p for row in rows for p in row.get("prior", [])), key=_segment_rank)
-    if lists is None:
-        observed, coverage = rows, None
-        if all_match(rows):
-            coverage = derived_coverage(sampler, [(row["start"], row["samples"]) for row in rows])
-            coverage = with_prior_coverage(sampler, coverage, prior)
-    else:
+    prior = sorted((p for row in rows for p in row["prior"]), key=_segment_rank)
+    observed: list[Seen] = list(rows)
+    coverage = None
+    if lists is not None:
         observed = [{**row, "indices": idx} for row, idx in zip(rows, lists, strict=True)]
-        coverage = None
+    elif all_match(rows):
+        coverage = derived_coverage(sampler, [(row["start"], row["samples"]) for row in rows])
+        coverage = with_prior_coverage(sampler, coverage, prior)
     report = shard_report(sampler.mode, sampler.base_size, observed, expected, coverage=coverage)
     if prior:
-        report["prior"] = [
-            {k: p[k] for k in ("world_size", "rank", "samples")}
-            | {"fingerprint": fingerprint_hex(p["fingerprint"])}
-            | {"matches": p["fingerprint"] == p["expected"]}
+        old = [
+            PriorLine(
+                world_size=p["world_size"],
+                rank=p["rank"],
+                samples=p["samples"],
+                fingerprint=fingerprint_hex(p["fingerprint"]),
+                matches=p["fingerprint"] == p["expected"],
+            )
             for p in prior
         ]
-        report["total_samples"] += sum(p["samples"] for p in prior)
         wrong = [
-            f"rank {p['rank']} of the {p['world_size']}-rank launch saw indices that differ "
+            f"rank {p.rank} of the {p.world_size}-rank launch saw indices that differ "
             f"from its {sampler.mode} shard"
-            for p in prior
-            if p["fingerprint"] != p["expected"]
+            for p in old
+            if not p.matches
         ]
-        if wrong:
-            verdict = report["verdict"]
-            problems = ([] if verdict == "ok" else [verdict.removeprefix("MISMATCH: ")]) + wrong
-            report["verdict"] = "MISMATCH: " + "; ".join(problems)
-    step_times = [row["step_s"] for row in rows]
-    slowest = max(range(len(step_times)), key=step_times.__getitem__)
-    fastest = min(step_times)
-    report["slowest_rank"] = slowest
-    report["step_s_max_over_min"] = step_times[slowest] / fastest if fastest > 0 else float("nan")
+        report = replace(
+            report,
+            prior=old,
+            total_samples=report.total_samples + sum(p.samples for p in old),
+            verdict=report.verdict.plus(wrong),
+        )
     if hasattr(sampler, "tail_names"):  # the epoch's pads and drops, by key
-        report.update(sampler.tail_names())
-    return report
+        tails = sampler.tail_names()
+        report = replace(report, pads=tails["pads"], drops=tails["drops"])
+    return report.timed([row["step_s"] for row in rows])
 
 
-def agreed_expectations(rows: list[dict[str, Any]]) -> list[int | None]:
+def agreed_expectations(rows: list[RankRow]) -> list[int | None]:
     """Each rank's own expected fingerprint, or None where its sampler defines another epoch
     than most ranks do (a tie goes to rank 0's definition).
 
@@ -180,7 +204,7 @@ def agreed_expectations(rows: list[dict[str, Any]]) -> list[int | None]:
     return [row["expected"] if row["definition"] == reference else None for row in rows]
 
 
-def all_match(rows: list[dict[str, Any]]) -> bool:
+def all_match(rows: list[RankRow]) -> bool:
     expected = agreed_expectations(rows)
     return all(e == row["fingerprint"] for e, row in zip(expected, rows, strict=True))
 
@@ -208,7 +232,7 @@ def expected_fingerprints(
     return totals
 
 
-def definition(sampler: Any, probes: int = DEFINITION_PROBES) -> tuple[Any, ...]:
+def definition(sampler: Any, probes: int = DEFINITION_PROBES) -> Definition:
     """What ``sampler`` defines for its epoch, in a few numbers: the mode, N, W, L and a hash of
     the (slot, index) pairs at ``probes`` positions spread over the first and the last rank's
     lists (so over the whole epoch; each rank checks its own list in full). L is the longest
@@ -225,33 +249,35 @@ def definition(sampler: Any, probes: int = DEFINITION_PROBES) -> tuple[Any, ...]
     return (sampler.mode, sampler.dataset_size, world, length, digest)
 
 
-def _segment_rank(check: dict[str, Any]) -> tuple[int, int]:
+def _segment_rank(check: PriorCheck) -> tuple[int, int]:
     return check["segment"], check["rank"]
 
 
 def with_prior_coverage(
-    sampler: Any, coverage: dict[str, Any], prior: list[dict[str, Any]]
-) -> dict[str, Any]:
+    sampler: Any, coverage: Coverage, prior: list[PriorCheck]
+) -> Coverage | None:
     """The rest's derived coverage joined with its prefixes' (disjoint by construction: a
     rest holds only what its prefix left unread), as a fraction of the whole dataset."""
-    if not prior or any(p["fingerprint"] != p["expected"] for p in prior):
-        return coverage if not prior else None
+    if not prior:
+        return coverage
+    if any(p["fingerprint"] != p["expected"] for p in prior):
+        return None
     parts = [coverage]
     for i in sorted({p["segment"] for p in prior}):
         old = sampler.prefix_sampler(i)
         counts = {p["rank"]: p["samples"] for p in prior if p["segment"] == i}
         ranges = [(0, min(counts[q], old.length_of(q))) for q in range(old.num_replicas)]
         parts.append(derived_coverage(old, ranges))
-    covered = sum(part["covered"] for part in parts)
-    return {
-        "coverage": covered / sampler.base_size if sampler.base_size else 0.0,
-        "covered": covered,
-        "overlap": sum(part["overlap"] for part in parts),
-        "repeats": sum(part["repeats"] for part in parts),
-    }
+    covered = sum(part.covered for part in parts)
+    return Coverage(
+        fraction=covered / sampler.base_size if sampler.base_size else 0.0,
+        covered=covered,
+        overlap=sum(part.overlap for part in parts),
+        repeats=sum(part.repeats for part in parts),
+    )
 
 
-def derived_coverage(sampler: Any, ranges: list[tuple[int, int]]) -> dict[str, Any]:
+def derived_coverage(sampler: Any, ranges: list[tuple[int, int]]) -> Coverage:
     """Exact coverage, overlap and repeats when rank r read exactly the positions
     ``[start, start + count)`` (``ranges[r]``) of its list as the mode defines it: O(W) time and
     memory, no index list.
@@ -263,7 +289,7 @@ def derived_coverage(sampler: Any, ranges: list[tuple[int, int]]) -> dict[str, A
     n, length, world = sampler.dataset_size, sampler.epoch_length, sampler.num_replicas
     reads = sum(count for _, count in ranges)
     if n == 0:
-        return {"coverage": 0.0, "covered": 0, "overlap": 0, "repeats": 0}
+        return Coverage(fraction=0.0, covered=0, overlap=0, repeats=0)
     total = sampler.total_size  # W x L, or N in `exact`: no padding slot, nothing read twice
     residues = np.unique(np.arange(n, total, dtype=np.int64) % n)
     slots = residues[:, None] + n * np.arange(-(-total // n), dtype=np.int64)[None, :]
@@ -274,90 +300,84 @@ def derived_coverage(sampler: Any, ranges: list[tuple[int, int]]) -> dict[str, A
     read = exists & (positions >= start[ranks]) & (positions < stop[ranks])
     a_reader = np.where(read, ranks, -1).max(axis=1, initial=-1)
     covered = reads - int(read.sum()) + int(read.any(axis=1).sum())
-    return {
-        "coverage": covered / n,
-        "covered": covered,
-        "overlap": int((read & (ranks != a_reader[:, None])).any(axis=1).sum()),
-        "repeats": reads - covered,
-    }
+    return Coverage(
+        fraction=covered / n,
+        covered=covered,
+        overlap=int((read & (ranks != a_reader[:, None])).any(axis=1).sum()),
+        repeats=reads - covered,
+    )
 
 
 def shard_report(
     mode: str,
     dataset_size: int,
-    observed: list[dict[str, Any]],
+    observed: list[Seen],
     expected: list[int | None],
     *,
-    coverage: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    coverage: Coverage | None = None,
+) -> EpochReport:
     """The verdict on one epoch: did every rank see what its sampler mode defines?
 
-    ``observed[r]`` holds rank r's ``samples``, ``duplicates``, ``fingerprint`` (int) and, when
-    gathered, ``indices``. ``expected[r]`` is the fingerprint of the first ``samples`` indices
-    rank r's list holds from where the epoch started (a rank must have seen exactly those: the
-    loader may drop a last batch, or a run may cap its steps, but never reorder or skip), or
-    None where rank r's sampler defines another epoch than the other ranks'. Coverage comes
-    from the indices when every rank's are given, else from ``coverage`` (``derived_coverage``).
+    ``observed[r]`` is what rank r saw (with ``indices`` where they were gathered).
+    ``expected[r]`` is the fingerprint of the first ``samples`` indices rank r's list holds
+    from where the epoch started (a rank must have seen exactly those: the loader may drop a
+    last batch, or a run may cap its steps, but never reorder or skip), or None where rank r's
+    sampler defines another epoch than the other ranks'. Coverage comes from the indices when
+    every rank's are given, else from ``coverage`` (``derived_coverage``).
     """
-    rows, problems = [], []
+    ranks, problems = [], []
     for r, o in enumerate(observed):
         ok = expected[r] == o["fingerprint"]
         if expected[r] is None:
             problems.append(f"rank {r}'s sampler defines another {mode} epoch than the others")
         elif not ok:
             problems.append(f"rank {r} saw indices that differ from its {mode} shard")
-        rows.append(
-            {
-                "rank": r,
-                "samples": int(o["samples"]),
-                "duplicates": int(o["duplicates"]),
-                "fingerprint": fingerprint_hex(o["fingerprint"]),
-                "matches": ok,
-            }
-        )
-    workers = worker_rows(observed, expected)
-    problems += [
-        f"rank {w['rank']}'s loader worker {w['worker']} read samples outside its range of the plan"
-        for w in workers
-        if not w["matches"]
-    ]
-    report: dict[str, Any] = {
-        "mode": mode,
-        "dataset_size": dataset_size,
-        "ranks": rows,
-        "total_samples": sum(row["samples"] for row in rows),
-    }
-    if workers:
-        report["workers"] = workers
-    if all("indices" in o for o in observed):
-        report.update(_coverage(dataset_size, [o["indices"] for o in observed]))
-    elif coverage is not None:
-        report.update(coverage)
-    report["verdict"] = "ok" if not problems else "MISMATCH: " + "; ".join(problems)
-    return report
-
-
-def worker_rows(observed: list[dict[str, Any]], expected: list[int | None]) -> list[dict]:
-    """One row per (rank, loader worker) where the ranks' rows carry workers: its samples,
-    fingerprint and whether that is its range's (None where the rank's definition differs)."""
-    rows = []
-    for r, o in enumerate(observed):
-        for k, w in enumerate(o.get("workers", [])):
-            ok = expected[r] is not None and w["expected"] == w["fingerprint"]
-            fingerprint = fingerprint_hex(w["fingerprint"])
-            rows.append(
-                {
-                    "rank": r,
-                    "worker": k,
-                    "samples": int(w["samples"]),
-                    "fingerprint": fingerprint,
-                    "matches": ok,
-                }
+        ranks.append(
+            RankLine(
+                rank=r,
+                samples=int(o["samples"]),
+                duplicates=int(o["duplicates"]),
+                fingerprint=fingerprint_hex(o["fingerprint"]),
+                matches=ok,
             )
-    return rows
+        )
+    workers = worker_lines(observed, expected)
+    problems += [
+        f"rank {w.rank}'s loader worker {w.worker} read samples outside its range of the plan"
+        for w in workers
+        if not w.matches
+    ]
+    if all("indices" in o for o in observed):
+        coverage = _coverage(dataset_size, [o["indices"] for o in observed])
+    return EpochReport(
+        mode=mode,
+        dataset_size=dataset_size,
+        ranks=ranks,
+        total_samples=sum(line.samples for line in ranks),
+        verdict=Verdict(tuple(problems)),
+        coverage=coverage,
+        workers=workers,
+    )
 
 
-def _coverage(n: int, per_rank: list[np.ndarray]) -> dict[str, Any]:
+def worker_lines(observed: list[Seen], expected: list[int | None]) -> list[WorkerLine]:
+    """One line per (rank, loader worker) where the ranks' rows carry workers: its samples,
+    fingerprint and whether that is its range's (not where the rank's definition differs)."""
+    return [
+        WorkerLine(
+            rank=r,
+            worker=k,
+            samples=int(w["samples"]),
+            fingerprint=fingerprint_hex(w["fingerprint"]),
+            duplicates=None,
+            matches=expected[r] is not None and w["expected"] == w["fingerprint"],
+        )
+        for r, o in enumerate(observed)
+        for k, w in enumerate(o.get("workers", []))
+    ]
+
+
+def _coverage(n: int, per_rank: list[np.ndarray]) -> Coverage:
     """Unique coverage of the dataset and overlap between ranks, from the index lists (O(N))."""
     counts = np.zeros(n, dtype=np.int64)
     owners = np.zeros(n, dtype=np.int64)
@@ -366,9 +386,9 @@ def _coverage(n: int, per_rank: list[np.ndarray]) -> dict[str, Any]:
         np.add.at(counts, idx, 1)
         owners[uniq] += 1
     covered = int((counts > 0).sum())
-    return {
-        "coverage": covered / n if n else 0.0,
-        "covered": covered,
-        "overlap": int((owners > 1).sum()),
-        "repeats": int(counts.sum() - covered),
-    }
+    return Coverage(
+        fraction=covered / n if n else 0.0,
+        covered=covered,
+        overlap=int((owners > 1).sum()),
+        repeats=int(counts.sum() - covered),
+    )

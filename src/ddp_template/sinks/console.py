@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_template.distributed import DistInfo
+from ddp_template.ledger.records import EpochReport
 
 
 def setup_console(info: DistInfo, run_dir: Path) -> None:
@@ -35,35 +36,35 @@ def setup_console(info: DistInfo, run_dir: Path) -> None:
             h.setLevel(logging.INFO if info.is_main else logging.WARNING)
 
 
-def report_lines(report: dict[str, Any], epoch: int) -> list[str]:
+def report_lines(report: EpochReport, epoch: int) -> list[str]:
     lines = [
-        f"epoch {epoch} shards ({report['mode']}, N={report['dataset_size']}): "
-        f"verdict {report['verdict']}"
+        f"epoch {epoch} shards ({report.mode}, N={report.dataset_size}): verdict {report.verdict}"
     ]
-    repeated = "read twice" if report["mode"] == "stream" else "padded"  # a stream has no pads
+    repeated = "read twice" if report.mode == "stream" else "padded"  # a stream has no pads
     lines += [
-        f"  rank {r['rank']}: {r['samples']} samples, {r['duplicates']} {repeated}, "
-        f"fingerprint {r['fingerprint']}{'' if r['matches'] else '  <-- MISMATCH'}"
-        for r in report["ranks"]
-    ]
-    lines += [
-        f"    rank {w['rank']} worker {w['worker']}: {w['samples']} samples, "
-        f"fingerprint {w['fingerprint']}{'' if w['matches'] else '  <-- MISMATCH'}"
-        for w in report.get("workers", [])
+        f"  rank {r.rank}: {r.samples} samples, {r.duplicates} {repeated}, "
+        f"fingerprint {r.fingerprint}{'' if r.matches else '  <-- MISMATCH'}"
+        for r in report.ranks
     ]
     lines += [
-        f"  before the resize, rank {p['rank']} of {p['world_size']}: {p['samples']} samples, "
-        f"fingerprint {p['fingerprint']}{'' if p['matches'] else '  <-- MISMATCH'}"
-        for p in report.get("prior", [])
+        f"    rank {w.rank} worker {w.worker}: {w.samples} samples, "
+        f"fingerprint {w.fingerprint}{'' if w.matches else '  <-- MISMATCH'}"
+        for w in report.workers
     ]
-    for tail in ("pads", "drops", "unread"):
-        if report.get(tail):
-            lines.append(f"  {tail}: {', '.join(report[tail][:20])}")
-    if "coverage" in report:
+    lines += [
+        f"  before the resize, rank {p.rank} of {p.world_size}: {p.samples} samples, "
+        f"fingerprint {p.fingerprint}{'' if p.matches else '  <-- MISMATCH'}"
+        for p in report.prior
+    ]
+    for tail, names in (("pads", report.pads), ("drops", report.drops), ("unread", report.unread)):
+        if names:
+            lines.append(f"  {tail}: {', '.join(names[:20])}")
+    c = report.coverage
+    if c is not None and c.fraction is not None:
         lines.append(
-            f"  coverage {report['coverage']:.4f} ({report['covered']} unique), "
-            f"overlap {report['overlap']}, step time max/min {report['step_s_max_over_min']:.2f} "
-            f"(slowest rank {report['slowest_rank']})"
+            f"  coverage {c.fraction:.4f} ({c.covered} unique), "
+            f"overlap {c.overlap}, step time max/min {report.step_s_max_over_min:.2f} "
+            f"(slowest rank {report.slowest_rank})"
         )
     return lines
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from ddp_template.config.schema import LoggerConfig, LoggerName, WandbLayout
 from ddp_template.distributed import DistInfo, barrier, gather_objects
+from ddp_template.ledger.records import EpochReport, PriorLine, RankLine, WorkerLine
 from ddp_template.run_identity import RunInfo
 from ddp_template.sinks.console import report_lines, split_sizes, write_summary
 from ddp_template.sinks.wandb_run import Layout, choose_layout, start_wandb, wandb_id
@@ -206,40 +209,45 @@ class RankLogger:
             "epoch %d: %s accuracy %.4f, loss %.4f", epoch, split, result.accuracy, result.loss
         )
 
-    def log_shard_report(self, report: dict[str, Any], epoch: int, step: int) -> None:
+    def log_shard_report(self, report: EpochReport, epoch: int, step: int) -> None:
         """Rank 0: the verdict, coverage and step-time spread as keys, a table and a console
         block; a warning when any rank saw data its sampler mode does not define."""
         summary = {
-            "shards/verdict_ok": int(report["verdict"] == "ok"),
-            "shards/total_samples": report["total_samples"],
-            "perf/step_s_max_over_min": report["step_s_max_over_min"],
-            "perf/slowest_rank": report["slowest_rank"],
+            "shards/verdict_ok": int(report.verdict.ok),
+            "shards/total_samples": report.total_samples,
+            "perf/step_s_max_over_min": report.step_s_max_over_min,
+            "perf/slowest_rank": report.slowest_rank,
         }
-        for key in ("coverage", "overlap", "repeats", "unread_samples", "replayed"):
-            if key in report:
-                summary[f"shards/{key.removesuffix('_samples')}"] = report[key]
+        c = report.coverage
+        counts = {
+            "coverage": c.fraction if c else None,
+            "overlap": c.overlap if c else None,
+            "repeats": c.repeats if c else None,
+            "unread": report.unread_samples,
+            "replayed": report.replayed,
+        }
+        summary |= {f"shards/{key}": n for key, n in counts.items() if n is not None}
         self.log(summary, step)
-        rows = report["ranks"]
+        rows = table_rows(report.ranks)
         if self._epoch_ranks is not None:  # one run: every rank's epoch numbers in its row
             rows = [{**row, **self._epoch_ranks[row["rank"]]} for row in rows]
         self.log_table("shards/report", rows, step)
-        if report.get("workers"):  # sharded data: every (rank, loader worker)
-            self.log_table("shards/workers", report["workers"], step)
-        if report.get("prior"):  # resumed at another world size: the old ranks' prefix
-            self.log_table("shards/prior", report["prior"], step)
+        if report.workers:  # sharded data: every (rank, loader worker)
+            self.log_table("shards/workers", table_rows(report.workers), step)
+        if report.prior:  # resumed at another world size: the old ranks' prefix
+            self.log_table("shards/prior", table_rows(report.prior), step)
         log.info("\n".join(report_lines(report, epoch)))
-        if report["verdict"] != "ok":
-            hint = report.get(
-                "hint",
+        if not report.verdict.ok:
+            hint = report.hint or (
                 "a rank saw data its sampler mode does not define (wrong seed on one rank? "
-                "missing set_epoch? custom sampler?)",
+                "missing set_epoch? custom sampler?)"
             )
-            log.warning("SHARD MISMATCH in epoch %d: %s — %s", epoch, report["verdict"], hint)
-            self._alert_once("SHARD MISMATCH", f"epoch {epoch}: {report['verdict']}")
-        ratio, limit = report["step_s_max_over_min"], self.cfg.straggler_alert
+            log.warning("SHARD MISMATCH in epoch %d: %s — %s", epoch, report.verdict, hint)
+            self._alert_once("SHARD MISMATCH", f"epoch {epoch}: {report.verdict}")
+        ratio, limit = report.step_s_max_over_min, self.cfg.straggler_alert
         if limit is not None and ratio > limit:
             text = (
-                f"epoch {epoch}: rank {report['slowest_rank']}'s step time is {ratio:.2f}x the "
+                f"epoch {epoch}: rank {report.slowest_rank}'s step time is {ratio:.2f}x the "
                 f"fastest rank's (logger.straggler_alert={limit})"
             )
             log.warning("STRAGGLER in %s", text)
@@ -296,3 +304,9 @@ class RankLogger:
         if self.wandb is not None:
             self.wandb.finish(exit_code=exit_code)
             self._wandb = None
+
+
+def table_rows(lines: Sequence[RankLine | WorkerLine | PriorLine]) -> list[dict[str, Any]]:
+    """A report's lines as W&B table rows, a column per field it has (planned data's worker
+    lines have no ``duplicates``)."""
+    return [{k: v for k, v in asdict(line).items() if v is not None} for line in lines]

@@ -23,6 +23,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from ddp_template.ledger.records import EpochReport
 from ddp_template.ledger.tally import IndexTally
 from ddp_template.sinks.console import report_lines
 from ddp_template.streams.contract import Expected, KeySpec, TagCollate, Tagged, is_stream
@@ -91,7 +92,7 @@ class Audited:
         self._fresh()
         self.epoch, self.before = saved["epoch"], saved["keys"]
 
-    def verdict(self, *, echo: bool = True) -> dict[str, Any]:
+    def verdict(self, *, echo: bool = True) -> EpochReport:
         """The epoch's report on every rank (rank 0 prints it with ``echo``); starts the next
         epoch's record. A collective when torch.distributed is initialised."""
         own = (self.tally.worker_indices(), self.before, self.seconds)
@@ -106,10 +107,7 @@ class Audited:
             before=None
             if all(b is None for b in befores)
             else [b for b in befores if b is not None],
-        )
-        times = [s for *_, s in rows]
-        report["slowest_rank"] = max(range(len(times)), key=times.__getitem__)
-        report["step_s_max_over_min"] = max(times) / min(times) if min(times) > 0 else 1.0
+        ).timed([s for *_, s in rows], idle=1.0)
         if echo and (not dist.is_initialized() or dist.get_rank() == 0):
             print("\n".join(report_lines(report, self.epoch)), file=sys.stderr)
         self.epoch += 1

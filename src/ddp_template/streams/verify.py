@@ -17,6 +17,15 @@ from typing import Any
 import numpy as np
 
 from ddp_template.distributed import DistInfo, gather_objects
+from ddp_template.ledger.records import (
+    Coverage,
+    EpochReport,
+    RankLine,
+    StreamRow,
+    Unread,
+    Verdict,
+    WorkerLine,
+)
 from ddp_template.ledger.tally import fingerprint_hex, fingerprint_sum
 from ddp_template.streams.contract import Expected
 
@@ -29,49 +38,48 @@ def _samples(n: int) -> str:
     return f"{n} sample{'' if n == 1 else 's'}"
 
 
-def worker_rows(keys: list[list[np.ndarray]]) -> list[dict[str, Any]]:
-    return [
-        {"rank": r, "worker": k, "samples": len(a), "fingerprint": fingerprint_sum(a)}
-        for r, rank in enumerate(keys)
-        for k, a in enumerate(rank)
-    ]
-
-
 def key_report(
     keys: list[list[np.ndarray]],
     *,
     expected: Expected | None = None,
-    unread: list[list[tuple[int, list[str]]]] | None = None,
+    unread: list[list[Unread]] | None = None,
     before: list[np.ndarray] | None = None,
-) -> dict[str, Any]:
+) -> EpochReport:
     """The verdict on one epoch of a stream from every rank's keys per worker (``keys[r][k]``),
     the samples each (rank, worker) left unread (``unread[r][k]``: count, first names) and the
     keys each rank read before a resume (``before[r]``)."""
     world, workers = len(keys), max(len(rank) for rank in keys)
-    rows = worker_rows(keys)
+    pairs = [(r, k) for r, rank in enumerate(keys) for k in range(len(rank))]
     flat = [a.astype(np.int64, copy=False) for rank in keys for a in rank]
     pair = np.repeat(np.arange(len(flat)), [len(a) for a in flat])
     every = np.concatenate(flat) if flat else np.zeros(0, np.int64)
     uniq, inverse = np.unique(every, return_inverse=True)
-    problems: list[str] = []
-    for row, a in zip(rows, flat, strict=True):
-        row["duplicates"] = len(a) - len(np.unique(a))
-        row["matches"] = not row["duplicates"]
-        if row["duplicates"]:
-            problems.append(
-                f"rank {row['rank']} worker {row['worker']} read "
-                f"{_samples(row['duplicates'])} more than once"
-            )
-    overlap = 0
+    twice = [len(a) - len(np.unique(a)) for a in flat]
+    problems = [
+        f"rank {r} worker {k} read {_samples(n)} more than once"
+        for (r, k), n in zip(pairs, twice, strict=True)
+        if n
+    ]
+    overlap, involved = 0, 0  # involved: a bit per pair that read what another pair read
     if len(flat) <= PAIRS and len(uniq):
         mask = np.zeros(len(uniq), dtype=np.uint64)
         np.bitwise_or.at(mask, inverse, np.left_shift(np.uint64(1), pair.astype(np.uint64)))
-        problems += _overlaps(mask, [(r["rank"], r["worker"]) for r in rows], world, workers)
+        problems += _overlaps(mask, pairs, world, workers)
         several = mask & (mask - np.uint64(1)) != 0  # more than one bit: read by several pairs
         overlap = int(several.sum())
-        involved = np.bitwise_or.reduce(mask[several]) if overlap else np.uint64(0)
-        for p, row in enumerate(rows):
-            row["matches"] = not row["duplicates"] and not int(involved) >> p & 1
+        involved = int(np.bitwise_or.reduce(mask[several])) if overlap else 0
+    fps = [fingerprint_sum(a) for rank in keys for a in rank]
+    lines = [
+        WorkerLine(
+            rank=r,
+            worker=k,
+            samples=len(a),
+            fingerprint=fingerprint_hex(fp),
+            duplicates=n,
+            matches=not n and not involved >> p & 1,
+        )
+        for p, ((r, k), a, fp, n) in enumerate(zip(pairs, flat, fps, twice, strict=True))
+    ]
     replayed = 0
     if before is not None:
         earlier = np.unique(np.concatenate(before)) if before else np.zeros(0, np.int64)
@@ -96,20 +104,9 @@ def key_report(
             f"{_samples(unread_total)} left unread: all ranks stopped when rank "
             f"{', '.join(map(str, ran_out)) or '?'} ran out (uneven ends): " + "; ".join(named)
         )
-    report: dict[str, Any] = {
-        "mode": "stream",
-        "dataset_size": expected.count if expected is not None else len(uniq),
-        "ranks": _rank_rows(rows, world),
-        "workers": [{**r, "fingerprint": fingerprint_hex(r["fingerprint"])} for r in rows],
-        "total_samples": len(every),
-        "covered": len(uniq),
-        "overlap": overlap,
-        "repeats": len(every) - len(uniq) + replayed,
-        "unread_samples": unread_total,
-        "replayed": replayed,
-    }
+    fraction = None
     if expected is not None:
-        report["coverage"] = len(uniq) / expected.count if expected.count else 0.0
+        fraction = len(uniq) / expected.count if expected.count else 0.0
         if expected.hashes is not None:
             missing = len(np.setdiff1d(expected.hashes, uniq, assume_unique=True))
             stray = len(np.setdiff1d(uniq, expected.hashes, assume_unique=True))
@@ -122,15 +119,29 @@ def key_report(
             problems.append(
                 f"{missing} of the {expected.count} expected samples were read by no rank"
             )
-    report["unread"] = [
-        f"rank {r} worker {k}: {name}"
-        for r, rank in enumerate(left)
-        for k, (_, names) in enumerate(rank)
-        for name in names
-    ]
-    report["verdict"] = "ok" if not problems else "MISMATCH: " + "; ".join(problems)
-    report["hint"] = "a stream's (rank, worker)s read overlapping, repeated or too few samples"
-    return report
+    return EpochReport(
+        mode="stream",
+        dataset_size=expected.count if expected is not None else len(uniq),
+        ranks=_rank_lines(lines, fps, world),
+        total_samples=len(every),
+        verdict=Verdict(tuple(problems)),
+        coverage=Coverage(
+            fraction=fraction,
+            covered=len(uniq),
+            overlap=overlap,
+            repeats=len(every) - len(uniq) + replayed,
+        ),
+        workers=lines,
+        unread=[
+            f"rank {r} worker {k}: {name}"
+            for r, rank in enumerate(left)
+            for k, (_, names) in enumerate(rank)
+            for name in names
+        ],
+        unread_samples=unread_total,
+        replayed=replayed,
+        hint="a stream's (rank, worker)s read overlapping, repeated or too few samples",
+    )
 
 
 def _overlaps(
@@ -149,7 +160,10 @@ def _overlaps(
         if n == total:
             return [
                 f"every rank read the same {_samples(n)}: the stream is not split by rank "
-                f"(split_dataset_by_node / wds.split_by_node forgotten?)"
+                f"(split_dataset_by_node / wds.split_by_node forgotten? or split by "
+                f"dist.get_rank() in __iter__, where a loader worker has no process group: read "
+                f"the rank in __init__, or RANK/WORLD_SIZE from the environment as "
+                f"wds.split_by_node does)"
             ]
     split_by_worker_missing = {}
     for r in range(world):
@@ -184,41 +198,41 @@ def _overlaps(
     return lines
 
 
-def _rank_rows(rows: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
+def _rank_lines(workers: list[WorkerLine], fps: list[int], world: int) -> list[RankLine]:
+    """Each rank's line from its workers' (``fps``: their fingerprints, as ints)."""
     out = []
     for r in range(world):
-        mine = [row for row in rows if row["rank"] == r]
-        fp = sum(row["fingerprint"] for row in mine) & _M64
+        mine = [p for p, w in enumerate(workers) if w.rank == r]
         out.append(
-            {
-                "rank": r,
-                "samples": sum(row["samples"] for row in mine),
-                "duplicates": sum(row["duplicates"] for row in mine),
-                "fingerprint": fingerprint_hex(fp),
-                "matches": all(row["matches"] for row in mine),
-            }
+            RankLine(
+                rank=r,
+                samples=sum(workers[p].samples for p in mine),
+                duplicates=sum(workers[p].duplicates or 0 for p in mine),
+                fingerprint=fingerprint_hex(sum(fps[p] for p in mine) & _M64),
+                matches=all(workers[p].matches for p in mine),
+            )
         )
     return out
 
 
 def verify_stream(
     tally: Any,
-    unread: list[tuple[int, list[str]]],
+    unread: list[Unread],
     expected: Expected | None,
     step_s: float,
     info: DistInfo,
-) -> dict[str, Any] | None:
+) -> EpochReport | None:
     """Check one epoch of a stream: the report on rank 0, None elsewhere. A collective.
 
     ``tally`` is this rank's ``IndexTally`` (keys kept, per worker); ``unread`` what each of its
     workers left unread at uneven ends (count, first key names)."""
-    own = {
-        "workers": [[n, fp] for n, fp in zip(tally.worker_samples, tally.worker_fps, strict=True)],
-        "unread": unread,
-        "step_s": step_s,
-        "kept": tally.keep,
-    }
-    rows = gather_objects(own, info)
+    own = StreamRow(
+        workers=[[n, fp] for n, fp in zip(tally.worker_samples, tally.worker_fps, strict=True)],
+        unread=unread,
+        step_s=step_s,
+        kept=tally.keep,
+    )
+    rows: list[StreamRow] = gather_objects(own, info)
     fast = _exact(rows, expected)
     keys = None
     if fast is None and all(row["kept"] for row in rows):
@@ -229,14 +243,10 @@ def verify_stream(
         report = key_report(keys, expected=expected, unread=[row["unread"] for row in rows])
     else:
         report = fast or _rows_only(rows, expected)
-    times = [row["step_s"] for row in rows]
-    slowest = max(range(len(times)), key=times.__getitem__)
-    report["slowest_rank"] = slowest
-    report["step_s_max_over_min"] = times[slowest] / min(times) if min(times) > 0 else float("nan")
-    return report
+    return report.timed([row["step_s"] for row in rows])
 
 
-def _exact(rows: list[dict[str, Any]], expected: Expected | None) -> dict[str, Any] | None:
+def _exact(rows: list[StreamRow], expected: Expected | None) -> EpochReport | None:
     """The report without keys when the ranks' counts and fingerprints add up to exactly the
     expected keys and nothing was left unread; None otherwise (the keys must decide)."""
     if expected is None or expected.hashes is None:
@@ -246,32 +256,41 @@ def _exact(rows: list[dict[str, Any]], expected: Expected | None) -> dict[str, A
     unread = sum(n for row in rows for n, _ in row["unread"])
     if total != expected.count or fp != (expected.fingerprint or 0) & _M64 or unread:
         return None
-    coverage = {"coverage": 1.0, "covered": total, "overlap": 0, "repeats": 0}
-    return _counted(rows, expected, "ok", **coverage, unread_samples=0)
+    coverage = Coverage(fraction=1.0, covered=total, overlap=0, repeats=0)
+    return _counted(rows, expected, Verdict(), coverage=coverage, unread_samples=0)
 
 
-def _rows_only(rows: list[dict[str, Any]], expected: Expected | None) -> dict[str, Any]:
+def _rows_only(rows: list[StreamRow], expected: Expected | None) -> EpochReport:
     """Counts and fingerprints only: some rank kept no keys (above ``shard_report_max_n``)."""
-    verdict = "UNCHECKED: the ranks kept no keys (more samples than shard_report_max_n)"
-    return _counted(rows, expected, verdict)
+    why = "the ranks kept no keys (more samples than shard_report_max_n)"
+    return _counted(rows, expected, Verdict(unchecked=why))
 
 
 def _counted(
-    rows: list[dict[str, Any]], expected: Expected | None, verdict: str, **extra: Any
-) -> dict[str, Any]:
+    rows: list[StreamRow],
+    expected: Expected | None,
+    verdict: Verdict,
+    *,
+    coverage: Coverage | None = None,
+    unread_samples: int | None = None,
+) -> EpochReport:
     """A report of the gathered rows' counts and fingerprints (no keys)."""
-    workers = [
-        {"rank": r, "worker": k, "samples": n, "fingerprint": fp, "duplicates": 0, "matches": True}
-        for r, row in enumerate(rows)
-        for k, (n, fp) in enumerate(row["workers"])
+    counts = [
+        (r, k, n, fp) for r, row in enumerate(rows) for k, (n, fp) in enumerate(row["workers"])
     ]
-    return {
-        "mode": "stream",
-        "dataset_size": expected.count if expected is not None else 0,
-        "ranks": _rank_rows(workers, len(rows)),
-        "workers": [{**w, "fingerprint": fingerprint_hex(w["fingerprint"])} for w in workers],
-        "total_samples": sum(w["samples"] for w in workers),
-        "unread": [],
-        **extra,
-        "verdict": verdict,
-    }
+    lines = [
+        WorkerLine(
+            rank=r, worker=k, samples=n, fingerprint=fingerprint_hex(fp), duplicates=0, matches=True
+        )
+        for r, k, n, fp in counts
+    ]
+    return EpochReport(
+        mode="stream",
+        dataset_size=expected.count if expected is not None else 0,
+        ranks=_rank_lines(lines, [fp for *_, fp in counts], len(rows)),
+        total_samples=sum(line.samples for line in lines),
+        verdict=verdict,
+        coverage=coverage,
+        workers=lines,
+        unread_samples=unread_samples,
+    )
