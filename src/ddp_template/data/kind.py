@@ -27,6 +27,7 @@ from ddp_template.data.loader import build_train_loader, build_train_sampler
 from ddp_template.distributed import DistInfo
 from ddp_template.engine import EpochStats, Feed, PlannedFeed, Trainer, TrainState
 from ddp_template.errors import ConfigError
+from ddp_template.ledger.records import EpochReport
 from ddp_template.ledger.verify import verify_epoch
 
 
@@ -72,7 +73,7 @@ class DataKind(Protocol):
 
     def verify(
         self, stats: EpochStats, tr: Trainer, state: TrainState, start: int, metrics: dict
-    ) -> Any:
+    ) -> EpochReport | None:
         """The epoch's verdict on every rank's data (a collective); rank 0's report."""
 
 
@@ -137,7 +138,7 @@ class Planned:
 
     def verify(
         self, stats: EpochStats, tr: Trainer, state: TrainState, start: int, metrics: dict
-    ) -> Any:
+    ) -> EpochReport | None:
         # state.prior: the epoch's prefixes read at other world sizes (elastic resume)
         return verify_epoch(stats, tr.sampler, start, metrics, tr.info, state.prior)
 

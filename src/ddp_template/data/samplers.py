@@ -289,6 +289,11 @@ class ShardSampler(DistributedSampler[int]):
         does)."""
         return 1, 0
 
+    def tail_names(self) -> dict[str, list[str]]:
+        """The epoch's pads and drops by name: none, since map-style samples have no key to
+        name them by (the plan of tar shards names its samples' ``__key__``)."""
+        return {"pads": [], "drops": []}
+
     def padding_in_prefix(self, n: int, rank: int | None = None) -> int:
         """How many of a rank's first n positions are padding; O(1), for `data/duplicates`."""
         rank = self._rank(rank)

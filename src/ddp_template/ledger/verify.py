@@ -105,7 +105,7 @@ def own_check(
     tally = stats.tally
     samples = tally.samples
     defined = max(0, min(samples, sampler.num_samples - start))  # more than its list never matches
-    workers = tally.workers if hasattr(sampler, "worker_of") else 1
+    workers, _ = sampler.worker_lanes(start)  # 1 unless the sampler deals worker ranges
     expected = expected_fingerprints(sampler, rank, start, defined, workers=workers)
     row = RankRow(
         samples=samples,
@@ -185,9 +185,8 @@ def epoch_report(
             total_samples=report.total_samples + sum(p.samples for p in old),
             verdict=report.verdict.plus(wrong),
         )
-    if hasattr(sampler, "tail_names"):  # the epoch's pads and drops, by key
-        tails = sampler.tail_names()
-        report = replace(report, pads=tails["pads"], drops=tails["drops"])
+    tails = sampler.tail_names()  # the epoch's pads and drops, by key (keyed data only)
+    report = replace(report, pads=tails["pads"], drops=tails["drops"])
     return report.timed([row["step_s"] for row in rows])
 
 

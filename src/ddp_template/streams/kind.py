@@ -18,6 +18,7 @@ from ddp_template.data.workers import loader_kwargs, seeded_generator
 from ddp_template.distributed import DistInfo
 from ddp_template.engine import EpochStats, Feed, Trainer, TrainState
 from ddp_template.errors import ConfigError
+from ddp_template.ledger.records import EpochReport
 from ddp_template.streams.contract import (
     Expected,
     StreamPosition,
@@ -105,7 +106,7 @@ class Streamed:
 
     def verify(
         self, stats: EpochStats, tr: Trainer, state: TrainState, start: int, metrics: dict
-    ) -> Any:
+    ) -> EpochReport | None:
         unread = tr.feed.unread  # per worker: what this rank's feed left at an uneven end
         step_s = metrics["perf/step_s"]
         return verify_stream(stats.tally, unread, tr.sampler.expected, step_s, tr.info)
