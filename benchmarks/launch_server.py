@@ -6,11 +6,12 @@ One short job (the default digits/small_cnn job, gloo, ``logger=none``, 1 epoch 
 launched as ``python train.py dist.nproc=N`` in three variants, alternating, the order rotated
 every round so drifts in machine load hit every variant alike:
 
-* ``forked``: train.py as it is: the fork server is a fork of the launcher (``forked_server``);
+* ``forked``: train.py as it is: the fork server is a fork of the launcher
+  (``process.server_start``);
 * ``forked again``: the same command, the A/A row: its spread is the noise floor;
-* ``spawned``: the same command with ``forked_server`` refusing to fork, so multiprocessing
+* ``spawned``: the same command with ``process.server_start`` refusing to fork, so multiprocessing
   starts its own server, a new interpreter importing torch again (how every launch started
-  before ``forked_server``).
+  before ``process.server_start``).
 
 Per launch: wall seconds of the whole command, and the machine's CPU seconds (user + system of
 every process, from ``/proc/stat``) over it, which counts the server and the ranks too (they are

@@ -1,6 +1,6 @@
 """The boundary between Hydra and the template: a typed config, checked once before anything runs.
 
-``typed(cfg)`` turns the composed ``DictConfig`` into the schema dataclasses of ``config.py``
+``typed(cfg)`` turns the composed ``DictConfig`` into the schema dataclasses of ``config.schema``
 (every builder receives its own group's typed config) and refuses keys that no schema declares:
 ``+nonsense_key=1`` would otherwise be accepted and ignored. The ``model`` and ``data`` groups
 stay ``DictConfig`` (Hydra instantiates them); their keys must be arguments of their

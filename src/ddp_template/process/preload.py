@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 PACKAGES = (__name__.split(".")[0], "hydra", "omegaconf")  # what train.py imports, but torch
-FORK_SERVER = f"{PACKAGES[0]}.fork_server"  # only a fork server imports it, always first
+FORK_SERVER = f"{PACKAGES[0]}.process.server_init"  # only a fork server imports it, first
 
 
 def loaded_modules(*first: str) -> list[str]:

@@ -5,7 +5,7 @@ A stream's items are ``(x, y, key)``: the key is an int index or a string (WebDa
 ``__key__``, an ``id`` column), hashed into the fingerprints. The template does not shard a
 stream (your stack does); it reads it as it comes, tags every item in the process that reads
 it with its key's hash and the loader worker's id (:class:`Tagged`), and audits what each
-(rank, worker) read (``data.stream_audit``). What the epoch should hold, when known, is
+(rank, worker) read (``streams.verify``). What the epoch should hold, when known, is
 :class:`Expected`: the dataset's ``expected_keys`` (keys, or a file of one key a line), else
 its ``num_rows`` or length (a count).
 """

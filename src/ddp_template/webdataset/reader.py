@@ -4,10 +4,10 @@
         data.test_urls=/data/test-{000000..000003}.tar
 
 A sample is ``<key>.png|jpg|jpeg|npy`` + ``<key>.cls`` (WebDataset's naming); its index is
-its global index in the shard index (``data.shard_index``). :class:`ShardSamples` reads any
+its global index in the shard index (``webdataset.index``). :class:`ShardSamples` reads any
 sample by index (evaluation, ``replay --save``); for training, :class:`PlanReader` is the
 DataLoader's iterable dataset: each loader worker reads its range of the epoch plan
-(``data.shard_plan``) sequentially, one shuffle block's byte range at a time.
+(``webdataset.plan``) sequentially, one shuffle block's byte range at a time.
 """
 
 from __future__ import annotations
