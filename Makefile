@@ -10,7 +10,7 @@ EPOCHS ?= 6  # make bench: epochs of every program
 TEST_WORKERS ?= 2  # pytest-xdist workers for make test (0: one process, serially)
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-fast lint shards bench clean
+.PHONY: help install train test test-fast lint shares bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -43,8 +43,8 @@ $(BENCH_STAMP): $(STAMP)  # the bench extra: lightning and accelerate, for make 
 	$(PY) -m pip install --quiet -e '.[bench]'
 	touch $(BENCH_STAMP)
 
-shards: install ## Draw the 11-samples-on-2-ranks picture for each sampler mode (docs/shards.png)
-	$(PY) -m ddp_template.sinks.share_plot --out docs/shards.png
+shares: install ## Draw the 11-samples-on-2-ranks picture for each sampler mode (docs/shares.png)
+	$(PY) -m ddp_template.sinks.share_plot --out docs/shares.png
 
 clean: ## Remove run outputs and caches (keeps .venv/)
 	rm -rf outputs multirun .pytest_cache .ruff_cache .hypothesis

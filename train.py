@@ -65,7 +65,7 @@ from ddp_template.rng import RngState
 from ddp_template.selection import Selection, build_selection
 from ddp_template.sinks.console import setup_console
 from ddp_template.sinks.metrics import RankLogger, log
-from ddp_template.sinks.share_plot import draw_shards_async
+from ddp_template.sinks.share_plot import draw_shares_async
 from ddp_template.switches import build_switches
 
 gc.freeze()  # what was imported lives as long as the process: out of every later pass
@@ -127,7 +127,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         grad_clip=cfg.optim.grad_clip,
         log_every=cfg.log_every,
         schedule=schedule,
-        keep_indices=sampler.dataset_size <= cfg.shard_report_max_n,
+        keep_indices=sampler.dataset_size <= cfg.share_report_max_n,
         label_smoothing=cfg.loss.label_smoothing,
         feed=kind.feed(cfg, info, switches),  # how batches come and the epoch ends
     )
@@ -258,7 +258,7 @@ def account(
     logger.log_epoch(metrics, step)  # a collective with one W&B run
     report = built.kind.verify(stats, tr, state, start, metrics)  # a collective
     if report is not None:
-        logger.log_shard_report(report, epoch, step)
+        logger.log_share_report(report, epoch, step)
 
 
 def step_hook(
@@ -321,8 +321,8 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
                 "effective global batch %d (batch_size x world size x accumulate)", global_batch
             )
             logger.log({"train/global_batch": global_batch}, state.step)
-        draws = cfg.shard_picture and info.is_main and built.kind.pictured
-        picture = draw_shards_async(built.trainer.sampler, run.run_dir) if draws else None
+        draws = cfg.share_picture and info.is_main and built.kind.pictured
+        picture = draw_shares_async(built.trainer.sampler, run.run_dir) if draws else None
         result = fit(cfg, built, state, ckpt, logger)
         logger.finish_run(result, built.splits, state.step, picture)
         exit_code = 0

@@ -7,7 +7,7 @@ rank's work at the epoch end and counts the bytes its all-gathers move. The perm
 epoch is built before timing: the epoch's own iteration already paid for it.
 
 * **before** (the code until issue #16): every rank all-gathers its row and, for
-  N <= ``shard_report_max_n`` (10 M), its whole index list; rank 0 alone recomputes every
+  N <= ``share_report_max_n`` (10 M), its whole index list; rank 0 alone recomputes every
   rank's expected fingerprint (O(N)) and counts coverage from the lists (O(N)). The time is rank
   0's, the other ranks' wait: pickling its list, unpickling all W of them (``all_gather_object``
   does on every rank), the W expected fingerprints and the report.
@@ -39,16 +39,16 @@ from typing import Any
 import numpy as np
 
 from ddp_template.config.schema import Config
-from ddp_template.data.samplers import ShardSampler
+from ddp_template.data.samplers import ShareSampler
 from ddp_template.ledger.tally import fingerprint_sum
 from ddp_template.ledger.verify import (
     epoch_report,
     expected_fingerprint,
     own_check,
-    shard_report,
+    share_report,
 )
 
-MAX_N = Config.shard_report_max_n  # today's default: lists are kept and gathered up to here
+MAX_N = Config.share_report_max_n  # today's default: lists are kept and gathered up to here
 
 
 @dataclass
@@ -65,8 +65,8 @@ class Stats:
     tally: Seen
 
 
-def sampler_for(n: int, world: int, rank: int) -> ShardSampler:
-    s = ShardSampler(range(n), world, rank, shuffle=True, seed=0, mode="padded")
+def sampler_for(n: int, world: int, rank: int) -> ShareSampler:
+    s = ShareSampler(range(n), world, rank, shuffle=True, seed=0, mode="padded")
     s.set_epoch(1)
     s.index_at(np.zeros(1, dtype=np.int64))  # the epoch's permutation, built while iterating
     return s
@@ -102,7 +102,7 @@ def after(n: int, world: int, repeats: int) -> dict[str, Any]:
 
 def before(n: int, world: int, repeats: int) -> dict[str, Any]:
     """The code before issue #16 as rank 0 ran it (the rank the others wait for). Above
-    ``shard_report_max_n`` no list exists; the fingerprints are then left at 0 (a mismatch
+    ``share_report_max_n`` no list exists; the fingerprints are then left at 0 (a mismatch
     verdict, the same work)."""
     samplers = [sampler_for(n, world, r) for r in range(world)]
     keep = n <= MAX_N
@@ -134,7 +134,7 @@ def before(n: int, world: int, repeats: int) -> dict[str, Any]:
             for r, o in enumerate(observed)
         ]
         t2 = time.perf_counter()
-        report = shard_report("padded", n, observed, expected)
+        report = share_report("padded", n, observed, expected)
         elapsed = time.perf_counter() - t0
         del observed
         if traced:
@@ -180,7 +180,7 @@ def main() -> None:
         "--before-repeats-above-max-n",
         type=int,
         default=1,
-        help="repeats of 'before' where N > shard_report_max_n (O(N) on one rank: slow)",
+        help="repeats of 'before' where N > share_report_max_n (O(N) on one rank: slow)",
     )
     args = parser.parse_args()
     load = [os.getloadavg()[0]]
@@ -203,7 +203,7 @@ def main() -> None:
             lines.append(f"| {n:.0e} | {world} | {cell(old, note)} | {cell(new)} | {ratio:.0f}x |")
             print(f"done N={n:.0e} W={world}", file=sys.stderr, flush=True)
     above = args.before_repeats_above_max_n
-    print(f"{args.repeats} repeats ({above} for 'before' above shard_report_max_n); ", end="")
+    print(f"{args.repeats} repeats ({above} for 'before' above share_report_max_n); ", end="")
     print(f"1-min load average {min(load):.2f}–{max(load):.2f}")
     print()
     print("\n".join(lines))

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from _launch import ROOT, git_state, invocation
 
-JOB = ["logger=none", "shard_picture=false", "backend=gloo", "epochs=1", "max_steps_per_epoch=4"]
+JOB = ["logger=none", "share_picture=false", "backend=gloo", "epochs=1", "max_steps_per_epoch=4"]
 REFUSE_FORK = (
     "import runpy, sys; from ddp_template.process import server_start; "
     "server_start._forkable = lambda server: False; "

@@ -1,4 +1,4 @@
-"""Benchmark: torch's DistributedSampler vs ShardSampler at large N (one rank's view).
+"""Benchmark: torch's DistributedSampler vs ShareSampler at large N (one rank's view).
 
 For each (N, sampler) a fresh subprocess measures, so peak RSS is not polluted by earlier cases:
   * first index: construct + set_epoch + iter + next, in ms (imports and a tiny warm-up excluded)
@@ -27,12 +27,12 @@ def _build(kind: str, n: int, world: int, rank: int):
     """Construct the sampler under test over a dataset that only has a length."""
     from torch.utils.data.distributed import DistributedSampler
 
-    from ddp_template.data.samplers import ShardSampler
+    from ddp_template.data.samplers import ShareSampler
 
     dataset = range(n)  # len() only; a range object holds no per-index memory
     if kind == "torch":
         return DistributedSampler(dataset, world, rank, shuffle=True, seed=0)
-    return ShardSampler(dataset, world, rank, shuffle=True, seed=0, permutation=kind)
+    return ShareSampler(dataset, world, rank, shuffle=True, seed=0, permutation=kind)
 
 
 def _child(kind: str, n: int, world: int, rank: int, limit: int) -> dict:
@@ -84,9 +84,9 @@ def _run_case(n: int, kind: str, args: argparse.Namespace) -> dict:
 
 
 def _label(kind: str, resolved: str) -> str:
-    names = {"torch": "torch DistributedSampler", "randperm": "ShardSampler randperm",
-             "feistel": "ShardSampler feistel"}  # fmt: skip
-    return f"ShardSampler auto (-> {resolved})" if kind == "auto" else names[kind]
+    names = {"torch": "torch DistributedSampler", "randperm": "ShareSampler randperm",
+             "feistel": "ShareSampler feistel"}  # fmt: skip
+    return f"ShareSampler auto (-> {resolved})" if kind == "auto" else names[kind]
 
 
 def _table(rows: list[tuple[int, str, dict]], world: int, rank: int) -> str:

@@ -46,16 +46,16 @@ CPU = "backend=gloo"
 
 # W&B costs each rank seconds of CPU to import and start: a run logs to it only where its test
 # reads what W&B got (tests/test_wandb_*.py, the resumed W&B runs, the artifacts). Likewise
-# shards.png (a second of rank 0's CPU): drawn only where its test reads it.
+# shares.png (a second of rank 0's CPU): drawn only where its test reads it.
 QUIET = "logger=none"
 CHOOSES_LOGGER = ("logger", "debug=", "experiment=", "+experiment=")
-NO_PICTURE = "shard_picture=false"
+NO_PICTURE = "share_picture=false"
 
 
 def train_cmd(out: Path, *overrides: str, launcher: list[str] | None = None) -> list[str]:
     """A train.py command writing under ``out`` (outputs/, multirun/), on gloo unless an
     override chooses the backend, without W&B unless an override chooses the logger (or a
-    ``debug``/``experiment`` preset does), and without shards.png unless one asks for it."""
+    ``debug``/``experiment`` preset does), and without shares.png unless one asks for it."""
     paths = [f"paths.output_root={out / 'outputs'}", f"paths.multirun_root={out / 'multirun'}"]
     flags = [o for o in overrides if o.startswith("-")]  # -m / --multirun go before overrides
     rest = [o for o in overrides if not o.startswith("-")]
@@ -63,7 +63,7 @@ def train_cmd(out: Path, *overrides: str, launcher: list[str] | None = None) -> 
         rest.insert(0, CPU)
     if not any(o.startswith(CHOOSES_LOGGER) for o in rest):
         rest.insert(0, QUIET)
-    if not any(o.startswith("shard_picture=") for o in rest):
+    if not any(o.startswith("share_picture=") for o in rest):
         rest.insert(0, NO_PICTURE)
     return [*(launcher or [PY]), str(ROOT / "train.py"), *flags, *paths, *rest]
 

@@ -7,7 +7,7 @@ import pickle
 import numpy as np
 import pytest
 
-from ddp_template.data.samplers import ShardSampler
+from ddp_template.data.samplers import ShareSampler
 from ddp_template.engine import EpochStats
 from ddp_template.ledger.records import Coverage
 from ddp_template.ledger.tally import IndexTally, fingerprint, fingerprint_sum
@@ -18,7 +18,7 @@ from ddp_template.ledger.verify import (
     epoch_report,
     expected_fingerprint,
     own_check,
-    shard_report,
+    share_report,
 )
 
 M = 2**64 - 1
@@ -58,7 +58,7 @@ def test_tally_counts_batches_and_ends() -> None:
     assert t.indices().tolist() == [5, 3, 9, 1, 2, 4]
 
 
-def _observe(samplers: list[ShardSampler], upto: int | None = None) -> list[dict]:
+def _observe(samplers: list[ShareSampler], upto: int | None = None) -> list[dict]:
     out = []
     for s in samplers:
         idx = np.array(list(s))[:upto]
@@ -77,7 +77,7 @@ def _samplers(n: int, w: int, mode: str, seeds: list[int], epochs: list[int]) ->
     shuffle = mode != "sequential"
     out = []
     for r in range(w):
-        s = ShardSampler(range(n), w, r, shuffle=shuffle, seed=seeds[r], mode=mode)
+        s = ShareSampler(range(n), w, r, shuffle=shuffle, seed=seeds[r], mode=mode)
         s.set_epoch(epochs[r])
         out.append(s)
     return out
@@ -87,7 +87,7 @@ def _report(n: int, w: int, mode: str, seeds: list[int], epochs: list[int], upto
     truth = _samplers(n, w, mode, [0] * w, [1] * w)  # what the mode defines (epoch 1, seed 0)
     observed = _observe(_samplers(n, w, mode, seeds, epochs), upto)
     expected = [expected_fingerprint(truth[0], r, 0, o["samples"]) for r, o in enumerate(observed)]
-    return shard_report(mode, n, observed, expected)
+    return share_report(mode, n, observed, expected)
 
 
 @pytest.mark.parametrize(
@@ -111,7 +111,7 @@ def test_a_prefix_is_fine_but_a_wrong_seed_or_missing_set_epoch_is_not() -> None
 
 
 def test_expected_fingerprint_needs_no_full_list_for_huge_n() -> None:
-    s = ShardSampler(range(10**10), 8, 3, seed=1, mode="padded", permutation="feistel")
+    s = ShareSampler(range(10**10), 8, 3, seed=1, mode="padded", permutation="feistel")
     got = expected_fingerprint(s, 3, 5_000, 2_000, block=512)
     want = fingerprint_sum(s.index_at(np.arange(5_000, 7_000), 3))
     assert got == want
@@ -154,7 +154,7 @@ def test_derived_coverage_is_what_the_lists_say(mode: str, n: int, w: int) -> No
         assert derived_coverage(samplers[0], ranges) == _oracle_coverage(n, lists)
 
 
-def _epoch_rows(samplers: list[ShardSampler], start: int, count: int, seen=None):
+def _epoch_rows(samplers: list[ShareSampler], start: int, count: int, seen=None):
     """Every simulated rank's own_check row after reading ``count`` positions from ``start`` of
     its own sampler's list, or the indices ``seen[r]`` where a test makes rank r's loader err."""
     rows, lists = [], []

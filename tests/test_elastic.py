@@ -31,7 +31,7 @@ from ddp_template.checkpoint import Found
 from ddp_template.config.choices import GlobalBatch, OnResize
 from ddp_template.config.schema import Config, ElasticConfig
 from ddp_template.data.sampler_modes import SAMPLER_MODES
-from ddp_template.data.samplers import ShardSampler
+from ddp_template.data.samplers import ShareSampler
 from ddp_template.elastic import plan_resize
 from ddp_template.errors import ConfigError
 from ddp_template.replay import load_run, step_rows
@@ -75,7 +75,7 @@ def test_the_rest_of_an_epoch_is_dealt_by_the_mode_at_the_new_world_size(permuta
         shuffle = SAMPLER_MODES[mode].shuffles and rng.random() < 0.8
         n, (w1, w2, w3) = rng.randint(1, 40), (rng.randint(1, 4) for _ in range(3))
         kw = dict(shuffle=shuffle, seed=5, mode=mode, permutation=permutation)
-        first = ShardSampler(range(n), w1, 0, **kw)
+        first = ShareSampler(range(n), w1, 0, **kw)
         first.set_epoch(3)
         seq = [int(i) for i in first._lookup(np.arange(n), first._permutation())]
         p1 = rng.randint(0, first.epoch_length)
@@ -85,7 +85,7 @@ def test_the_rest_of_an_epoch_is_dealt_by_the_mode_at_the_new_world_size(permuta
             {"world_size": w1, "position": p1, "complete": False},
             {"world_size": w2, "position": p2, "complete": False},
         ]
-        last = ShardSampler(range(n), w3, 0, **kw)
+        last = ShareSampler(range(n), w3, 0, **kw)
         last.set_epoch(3)
         last.continue_epoch(3, prior)
         expected = _lists(_rest(seq2, mode, w2, p2), mode, w3)
@@ -100,7 +100,7 @@ def test_the_rest_of_an_epoch_is_dealt_by_the_mode_at_the_new_world_size(permuta
 
 
 def test_a_prefix_that_ended_its_epoch_leaves_nothing() -> None:
-    sampler = ShardSampler(range(10), 3, 0, shuffle=True, seed=1)
+    sampler = ShareSampler(range(10), 3, 0, shuffle=True, seed=1)
     sampler.continue_epoch(0, [{"world_size": 2, "position": 4, "complete": True}])
     assert sampler.dataset_size == 0 and sampler.rank_lengths == (0, 0, 0)
 

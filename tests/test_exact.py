@@ -25,7 +25,7 @@ from test_resume import assert_identical
 
 from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.data.sampler_modes import SAMPLER_MODES
-from ddp_template.data.samplers import ShardSampler
+from ddp_template.data.samplers import ShareSampler
 from ddp_template.engine import micro_batches
 from ddp_template.ledger.tally import fingerprint_hex, fingerprint_sum
 from ddp_template.ledger.verify import epoch_report, own_check
@@ -106,7 +106,7 @@ def test_the_empty_micro_batch_has_the_data_shape_and_no_samples() -> None:
     rank resumed past its list's end takes the shape from the dataset's first sample."""
     x, y = torch.randn(101, 1, 8, 8), torch.arange(101) % 10
     data = torch.utils.data.TensorDataset(x, y, torch.arange(101))
-    sampler = ShardSampler(data, 2, 1, mode="exact")
+    sampler = ShareSampler(data, 2, 1, mode="exact")
     loader = torch.utils.data.DataLoader(data, batch_size=10, sampler=sampler)
     s = exact_schedule(101, 2, 10)
     out = list(micro_batches(loader, s, 0, rank=1))
@@ -147,9 +147,9 @@ def test_plain_batchnorm_leaves_running_stats_untouched_on_an_empty_batch() -> N
 # ------------------------------------------------------------------------- sampler and verdict
 def test_state_holds_the_common_position_past_a_shorter_list() -> None:
     """The step boundary after the last step is 51 on every rank; rank 1's list has 50."""
-    rank1 = ShardSampler(range(101), 2, 1, mode="exact")
+    rank1 = ShareSampler(range(101), 2, 1, mode="exact")
     state = rank1.state_dict(51)
-    fresh = ShardSampler(range(101), 2, 1, mode="exact")
+    fresh = ShareSampler(range(101), 2, 1, mode="exact")
     fresh.load_state_dict(state)
     assert len(fresh) == 0 and list(fresh) == []
     with pytest.raises(ValueError, match=r"outside this rank's epoch \[0, 51\]"):
@@ -158,7 +158,7 @@ def test_state_holds_the_common_position_past_a_shorter_list() -> None:
 
 def test_drop_last_contradicts_exact_in_one_sentence() -> None:
     with pytest.raises(ValueError, match=r"mode='exact', which keeps every sample; pass"):
-        ShardSampler(range(11), 2, 0, drop_last=True, mode="exact")
+        ShareSampler(range(11), 2, 0, drop_last=True, mode="exact")
 
 
 class _Stats:
@@ -179,7 +179,7 @@ def _rows(samplers, lists, start=0):
 
 def test_verdict_checks_the_exact_layout() -> None:
     """A whole epoch: every index once, no overlap; a rank reading padded's repeat fails."""
-    samplers = [ShardSampler(range(11), 2, r, mode="exact") for r in range(2)]
+    samplers = [ShareSampler(range(11), 2, r, mode="exact") for r in range(2)]
     for s in samplers:
         s.set_epoch(3)
     lists = [s.rank_indices() for s in samplers]
@@ -187,7 +187,7 @@ def test_verdict_checks_the_exact_layout() -> None:
     assert str(report.verdict) == "ok" and report.total_samples == 11
     c = report.coverage
     assert (c.fraction, c.overlap, c.repeats) == (1.0, 0, 0)
-    padded = ShardSampler(range(11), 2, 1, mode="padded")
+    padded = ShareSampler(range(11), 2, 1, mode="padded")
     padded.set_epoch(3)
     bad = epoch_report(samplers[0], _rows(samplers, [lists[0], padded.rank_indices()]))
     assert str(bad.verdict).startswith("MISMATCH: rank 1 saw indices that differ")
@@ -208,7 +208,7 @@ def test_replay_reports_the_empty_micro_batch(compose_cfg, tmp_path: Path, capsy
 
 
 def test_picture_and_headline_show_both_lengths() -> None:
-    layout = layout_from_sampler(ShardSampler(range(11), 2, 0, shuffle=False, mode="exact"))
+    layout = layout_from_sampler(ShareSampler(range(11), 2, 0, shuffle=False, mode="exact"))
     assert [r.tolist() for r in layout.ranks] == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9]]
     assert "per-rank length 6 or 5, 0 padding, 0 dropped" in _headline(layout, None)
 

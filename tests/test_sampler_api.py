@@ -1,4 +1,4 @@
-"""ShardSampler as a drop-in DistributedSampler: signature, drop_last, strict types, index_at.
+"""ShareSampler as a drop-in DistributedSampler: signature, drop_last, strict types, index_at.
 
 torch's DistributedSampler is the oracle for the lists; the Feistel permutation's inverse and
 ``locate`` are checked against the lists themselves.
@@ -18,7 +18,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_template.data.feistel import FeistelPermutation
 from ddp_template.data.sampler_modes import SAMPLER_MODES
-from ddp_template.data.samplers import ShardSampler
+from ddp_template.data.samplers import ShareSampler
 
 
 class Sized:
@@ -31,7 +31,7 @@ class Sized:
 
 # --------------------------------------------------------------------------- drop-in
 def test_signature_is_distributed_samplers_plus_keyword_only_extras() -> None:
-    ours = list(inspect.signature(ShardSampler).parameters.values())
+    ours = list(inspect.signature(ShareSampler).parameters.values())
     torch_params = list(inspect.signature(DistributedSampler).parameters.values())
     assert [(p.name, p.kind, p.default) for p in ours[:6]] == [
         (p.name, p.kind, p.default) for p in torch_params
@@ -48,7 +48,7 @@ def test_signature_is_distributed_samplers_plus_keyword_only_extras() -> None:
 def test_positional_drop_last_is_torchs(n: int, w: int, drop_last: bool) -> None:
     for r in range(w):
         theirs = DistributedSampler(Sized(n), w, r, True, 7, drop_last)
-        ours = ShardSampler(Sized(n), w, r, True, 7, drop_last)
+        ours = ShareSampler(Sized(n), w, r, True, 7, drop_last)
         assert isinstance(ours, DistributedSampler)
         for epoch in (0, 3):
             theirs.set_epoch(epoch)
@@ -65,13 +65,13 @@ def test_positional_drop_last_is_torchs(n: int, w: int, drop_last: bool) -> None
 
 
 def test_mode_and_drop_last_agree_or_are_refused() -> None:
-    assert ShardSampler(Sized(10), 3, 0, mode="drop_last").drop_last is True
-    assert ShardSampler(Sized(10), 3, 0, drop_last=True, mode="drop_last").num_samples == 3
-    seq = ShardSampler(Sized(10), 3, 0, shuffle=False, mode="sequential")
+    assert ShareSampler(Sized(10), 3, 0, mode="drop_last").drop_last is True
+    assert ShareSampler(Sized(10), 3, 0, drop_last=True, mode="drop_last").num_samples == 3
+    seq = ShareSampler(Sized(10), 3, 0, shuffle=False, mode="sequential")
     assert (seq.drop_last, seq.num_samples) == (False, 4)
     for mode in [m for m, rule in SAMPLER_MODES.items() if not rule.drops_tail]:
         with pytest.raises(ValueError, match=f"drop_last=True contradicts mode='{mode}'"):
-            ShardSampler(Sized(10), 3, 0, False, 0, True, mode=mode)
+            ShareSampler(Sized(10), 3, 0, False, 0, True, mode=mode)
 
 
 # --------------------------------------------------------------------------- strict types
@@ -91,13 +91,13 @@ def test_mode_and_drop_last_agree_or_are_refused() -> None:
 def test_wrong_types_are_refused_naming_the_argument(kwargs: dict, named: str) -> None:
     args = {"num_replicas": 2, "rank": 0} | kwargs
     with pytest.raises(TypeError, match="pass") as info:
-        ShardSampler(Sized(10), **args)
+        ShareSampler(Sized(10), **args)
     assert str(info.value).startswith(named)
     assert str(info.value).count(".") >= 1 and "\n" not in str(info.value)
 
 
 def test_wrong_types_in_methods_are_refused() -> None:
-    sampler = ShardSampler(Sized(10), 2, 0)
+    sampler = ShareSampler(Sized(10), 2, 0)
     for call, named in [
         (lambda: sampler.set_epoch(1.0), "epoch=1.0"),
         (lambda: sampler.set_epoch(True), "epoch=True"),
@@ -114,9 +114,9 @@ def test_wrong_types_in_methods_are_refused() -> None:
 
 
 def test_numpy_integers_are_integers() -> None:
-    plain = ShardSampler(Sized(50), 3, 1, seed=4)
+    plain = ShareSampler(Sized(50), 3, 1, seed=4)
     plain.set_epoch(2)
-    numpy_args = ShardSampler(Sized(50), np.int64(3), np.int32(1), np.bool_(True), np.int16(4))
+    numpy_args = ShareSampler(Sized(50), np.int64(3), np.int32(1), np.bool_(True), np.int16(4))
     numpy_args.set_epoch(np.int64(2))
     assert list(numpy_args) == list(plain)
     assert type(numpy_args.seed) is int and type(numpy_args.epoch) is int
@@ -126,20 +126,20 @@ def test_numpy_integers_are_integers() -> None:
 # --------------------------------------------------------------------------- the count
 @pytest.mark.parametrize("permutation", ["randperm", "feistel"])
 def test_yielded_counts_what_was_taken_across_blocks(permutation: str) -> None:
-    sampler = ShardSampler(Sized(9000), 2, 1, seed=3, permutation=permutation)
+    sampler = ShareSampler(Sized(9000), 2, 1, seed=3, permutation=permutation)
     sampler.set_epoch(2)
     full = list(sampler)
     for taken in (0, 1, 1023, 1024, 1025, 3072, 4500):
         iterator = iter(sampler)
         head = [next(iterator) for _ in range(taken)]
         assert sampler.yielded == taken and sampler.state_dict()["position"] == taken
-        resumed = ShardSampler(Sized(9000), 2, 1, seed=3, permutation=permutation)
+        resumed = ShareSampler(Sized(9000), 2, 1, seed=3, permutation=permutation)
         resumed.load_state_dict(sampler.state_dict())
         assert head + list(resumed) == full and resumed.yielded == len(full)
 
 
 def test_only_the_newest_iterator_counts_and_a_new_epoch_starts_at_zero() -> None:
-    sampler = ShardSampler(Sized(5000), 2, 0)
+    sampler = ShareSampler(Sized(5000), 2, 0)
     old, new = iter(sampler), iter(sampler)
     for _ in range(3):
         next(new)
@@ -154,13 +154,13 @@ def test_only_the_newest_iterator_counts_and_a_new_epoch_starts_at_zero() -> Non
 
 
 def test_a_state_saved_before_yielded_existed_still_loads() -> None:
-    saved = ShardSampler(Sized(1000), 4, 3, seed=9, permutation="feistel")
+    saved = ShareSampler(Sized(1000), 4, 3, seed=9, permutation="feistel")
     saved.set_epoch(2)
     old_keys = ("epoch", "position", "mode", "seed", "shuffle", "permutation", "dataset_size")
     state = {
         k: v for k, v in saved.state_dict(17).items() if k in old_keys + ("num_replicas", "rank")
     }
-    resumed = ShardSampler(Sized(1000), 4, 3, seed=9, permutation="feistel")
+    resumed = ShareSampler(Sized(1000), 4, 3, seed=9, permutation="feistel")
     resumed.load_state_dict(state)
     assert (resumed.epoch, len(resumed)) == (2, 250 - 17)
     assert list(resumed) == list(saved)[17:]
@@ -170,7 +170,7 @@ def test_a_state_saved_before_yielded_existed_still_loads() -> None:
 @pytest.mark.parametrize("permutation", ["randperm", "feistel"])
 @pytest.mark.parametrize("n", [1025, 3000])  # 2**b just above N: half the values cycle-walk
 def test_index_at_python_scalars_and_arrays(permutation: str, n: int) -> None:
-    sampler = ShardSampler(Sized(n), 3, 2, seed=5, permutation=permutation)
+    sampler = ShareSampler(Sized(n), 3, 2, seed=5, permutation=permutation)
     sampler.set_epoch(1)
     full = list(sampler)
     with warnings.catch_warnings():
@@ -214,7 +214,7 @@ def test_feistel_inverse_at_huge_n() -> None:
 def test_locate_finds_every_slot_reading_an_index(n, w, mode, permutation, epoch) -> None:
     shuffle = SAMPLER_MODES[mode].shuffles
     samplers = [
-        ShardSampler(Sized(n), w, r, shuffle, 3, mode=mode, permutation=permutation)
+        ShareSampler(Sized(n), w, r, shuffle, 3, mode=mode, permutation=permutation)
         for r in range(w)
     ]
     where = defaultdict(list)

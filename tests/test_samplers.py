@@ -1,4 +1,4 @@
-"""ShardSampler and EvalShardSampler: torch's DistributedSampler is the oracle, docs/ARCHITECTURE.md
+"""ShareSampler and EvalShareSampler: torch's DistributedSampler is the oracle, docs/ARCHITECTURE.md
 the spec."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 from scipy.stats import chi2, chisquare
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_template.data.eval_sampler import EvalShardSampler
+from ddp_template.data.eval_sampler import EvalShareSampler
 from ddp_template.data.feistel import FeistelPermutation
 from ddp_template.data.samplers import (
     AUTO_FEISTEL_THRESHOLD,
     SAMPLER_MODES,
-    ShardSampler,
+    ShareSampler,
 )
 
 ALPHA = 0.001
@@ -38,7 +38,7 @@ class Sized:
 
 
 def all_ranks(n: int, w: int, **kwargs) -> list[list[int]]:
-    return [list(ShardSampler(Sized(n), w, r, **kwargs)) for r in range(w)]
+    return [list(ShareSampler(Sized(n), w, r, **kwargs)) for r in range(w)]
 
 
 def global_list(ranks: list[list[int]], mode: str) -> list[int]:
@@ -65,7 +65,7 @@ def test_exact_is_torch_padded_without_its_padding(n: int, w: int) -> None:
         for r in range(w):
             torch_sampler = DistributedSampler(Sized(n), w, r, shuffle=shuffle, seed=seed)
             torch_sampler.set_epoch(epoch)
-            ours = ShardSampler(Sized(n), w, r, shuffle, seed, mode="exact")
+            ours = ShareSampler(Sized(n), w, r, shuffle, seed, mode="exact")
             ours.set_epoch(epoch)
             assert list(ours) == list(torch_sampler)[: math.ceil((n - r) / w)]
             assert ours.padding_in_prefix(len(ours)) == 0
@@ -83,7 +83,7 @@ def test_matches_torch_distributed_sampler(n: int, w: int) -> None:
                         Sized(n), w, r, shuffle=shuffle, seed=seed, drop_last=drop_last
                     )
                     torch_sampler.set_epoch(epoch)
-                    ours = ShardSampler(
+                    ours = ShareSampler(
                         Sized(n), w, r, shuffle, seed, mode=mode, permutation=permutation
                     )
                     ours.set_epoch(epoch)
@@ -94,14 +94,14 @@ def test_matches_torch_distributed_sampler(n: int, w: int) -> None:
 
 
 def test_auto_below_threshold_is_randperm_and_above_is_feistel() -> None:
-    assert ShardSampler(Sized(1000), 2, 0).permutation == "randperm"
-    assert ShardSampler(Sized(AUTO_FEISTEL_THRESHOLD - 1), 2, 0).permutation == "randperm"
-    assert ShardSampler(Sized(AUTO_FEISTEL_THRESHOLD), 2, 0).permutation == "feistel"
+    assert ShareSampler(Sized(1000), 2, 0).permutation == "randperm"
+    assert ShareSampler(Sized(AUTO_FEISTEL_THRESHOLD - 1), 2, 0).permutation == "randperm"
+    assert ShareSampler(Sized(AUTO_FEISTEL_THRESHOLD), 2, 0).permutation == "feistel"
 
 
 def test_iteration_yields_python_ints() -> None:
     for permutation in ("randperm", "feistel"):
-        values = list(ShardSampler(Sized(50), 3, 1, permutation=permutation))
+        values = list(ShareSampler(Sized(50), 3, 1, permutation=permutation))
         assert all(type(v) is int for v in values)
 
 
@@ -135,7 +135,7 @@ def test_design_shuffled_example() -> None:
 
 
 def test_sequential_padding_and_duplicates_match_the_table() -> None:
-    sampler = ShardSampler(Sized(10), 4, 3, shuffle=False, mode="sequential")
+    sampler = ShareSampler(Sized(10), 4, 3, shuffle=False, mode="sequential")
     assert sampler.is_padding(np.arange(3)).tolist() == [False, True, True]
     assert sampler.padding_in_prefix(3) == 2
     assert sampler.padding_in_prefix(1) == 0
@@ -155,11 +155,11 @@ sampler_args = st.fixed_dictionaries(
 )
 
 
-def build_all(a: dict) -> list[ShardSampler]:
+def build_all(a: dict) -> list[ShareSampler]:
     shuffle = a["shuffle"] and a["mode"] != "sequential"
     samplers = []
     for r in range(a["w"]):
-        s = ShardSampler(
+        s = ShareSampler(
             Sized(a["n"]),
             a["w"],
             r,
@@ -332,7 +332,7 @@ def test_feistel_handles_huge_n(n: int) -> None:
 
 
 def test_sampler_at_ten_billion() -> None:
-    sampler = ShardSampler(Sized(10**10), 8, 5, permutation="auto")
+    sampler = ShareSampler(Sized(10**10), 8, 5, permutation="auto")
     assert sampler.permutation == "feistel"
     assert sampler.num_samples == 1_250_000_000
     head = list(itertools.islice(sampler, 3000))
@@ -348,12 +348,12 @@ def test_sampler_at_ten_billion() -> None:
 def test_resume_yields_the_tail(mode: str, permutation: str) -> None:
     shuffle = mode != "sequential"
     n, w, epoch = 6000 + 7, 3, 4
-    reference = ShardSampler(Sized(n), w, 2, shuffle, 11, mode=mode, permutation=permutation)
+    reference = ShareSampler(Sized(n), w, 2, shuffle, 11, mode=mode, permutation=permutation)
     reference.set_epoch(epoch)
     full = list(reference)
     for position in [0, 1, 1023, 1024, 1025, len(full) - 1, len(full)]:
         state = reference.state_dict(position)
-        resumed = ShardSampler(Sized(n), w, 2, shuffle, 11, mode=mode, permutation=permutation)
+        resumed = ShareSampler(Sized(n), w, 2, shuffle, 11, mode=mode, permutation=permutation)
         resumed.load_state_dict(state)
         assert resumed.epoch == epoch
         resumed.set_epoch(epoch)  # the usual loop calls set_epoch; same epoch keeps the offset
@@ -363,11 +363,11 @@ def test_resume_yields_the_tail(mode: str, permutation: str) -> None:
 
 
 def test_set_epoch_to_another_epoch_clears_the_offset() -> None:
-    sampler = ShardSampler(Sized(100), 2, 0)
+    sampler = ShareSampler(Sized(100), 2, 0)
     sampler.load_state_dict({**sampler.state_dict(10), "epoch": 3})
     sampler.set_epoch(4)
     assert len(sampler) == 50
-    expected = ShardSampler(Sized(100), 2, 0)
+    expected = ShareSampler(Sized(100), 2, 0)
     expected.set_epoch(4)
     assert list(sampler) == list(expected)
 
@@ -385,7 +385,7 @@ def test_set_epoch_to_another_epoch_clears_the_offset() -> None:
     ],
 )
 def test_load_state_dict_refuses_mismatches(key: str, kwargs: dict) -> None:
-    saved = ShardSampler(Sized(100), 2, 0, seed=0, permutation="randperm").state_dict(5)
+    saved = ShareSampler(Sized(100), 2, 0, seed=0, permutation="randperm").state_dict(5)
     args = {
         "n": 100,
         "w": 2,
@@ -395,7 +395,7 @@ def test_load_state_dict_refuses_mismatches(key: str, kwargs: dict) -> None:
         "mode": "padded",
         "permutation": "randperm",
     } | kwargs
-    other = ShardSampler(
+    other = ShareSampler(
         Sized(args["n"]),
         args["w"],
         args["rank"],
@@ -411,7 +411,7 @@ def test_load_state_dict_refuses_mismatches(key: str, kwargs: dict) -> None:
 
 
 def test_load_state_dict_refuses_missing_key_and_bad_position() -> None:
-    sampler = ShardSampler(Sized(10), 2, 0)
+    sampler = ShareSampler(Sized(10), 2, 0)
     state = sampler.state_dict(3)
     with pytest.raises(ValueError, match="'position'"):
         sampler.load_state_dict({k: v for k, v in state.items() if k != "position"})
@@ -422,7 +422,7 @@ def test_load_state_dict_refuses_missing_key_and_bad_position() -> None:
 
 
 def test_state_dict_survives_torch_save_weights_only() -> None:
-    sampler = ShardSampler(Sized(1000), 4, 3, seed=9, permutation="feistel")
+    sampler = ShareSampler(Sized(1000), 4, 3, seed=9, permutation="feistel")
     sampler.set_epoch(2)
     state = sampler.state_dict(17)
     buffer = io.BytesIO()
@@ -432,7 +432,7 @@ def test_state_dict_survives_torch_save_weights_only() -> None:
     assert loaded == state
     assert {type(v) for k, v in loaded.items() if k != "prior"} <= {int, str, bool}
     assert loaded["prior"] == []  # the epoch's prefixes at other world sizes: none here
-    resumed = ShardSampler(Sized(1000), 4, 3, seed=9, permutation="feistel")
+    resumed = ShareSampler(Sized(1000), 4, 3, seed=9, permutation="feistel")
     resumed.load_state_dict(loaded)
     assert list(resumed) == list(sampler)[17:]
 
@@ -440,36 +440,36 @@ def test_state_dict_survives_torch_save_weights_only() -> None:
 # --------------------------------------------------------------------------- errors
 def test_argument_errors_name_the_fix() -> None:
     with pytest.raises(ValueError, match="shuffle=False"):
-        ShardSampler(Sized(10), 2, 0, shuffle=True, mode="sequential")
+        ShareSampler(Sized(10), 2, 0, shuffle=True, mode="sequential")
     with pytest.raises(ValueError, match=", ".join(SAMPLER_MODES)):
-        ShardSampler(Sized(10), 2, 0, mode="pad")
+        ShareSampler(Sized(10), 2, 0, mode="pad")
     with pytest.raises(ValueError, match="auto, randperm, feistel"):
-        ShardSampler(Sized(10), 2, 0, permutation="sobol")
+        ShareSampler(Sized(10), 2, 0, permutation="sobol")
     with pytest.raises(ValueError, match="Invalid rank 2"):
-        ShardSampler(Sized(10), 2, 2)
+        ShareSampler(Sized(10), 2, 2)
     with pytest.raises(ValueError, match="Invalid rank -1"):
-        EvalShardSampler(Sized(10), 2, -1)
+        EvalShareSampler(Sized(10), 2, -1)
     for bad_n in (0, 2**63 + 1):
         with pytest.raises(ValueError, match="FeistelPermutation"):
             FeistelPermutation(bad_n, 0, 0)
     with pytest.raises(IndexError):
-        ShardSampler(Sized(10), 2, 0).index_at(np.array([5]))
+        ShareSampler(Sized(10), 2, 0).index_at(np.array([5]))
 
 
 @pytest.mark.skipif(torch.distributed.is_initialized(), reason="needs no process group")
 def test_without_process_group_world_must_be_given() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
-        ShardSampler(Sized(10))
+        ShareSampler(Sized(10))
     with pytest.raises(RuntimeError, match="init_process_group"):
-        EvalShardSampler(Sized(10), num_replicas=2)
+        EvalShareSampler(Sized(10), num_replicas=2)
 
 
 # --------------------------------------------------------------------------- evaluation
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 10, 11, 100, 1001])
 @pytest.mark.parametrize("w", [1, 2, 3, 4, 8, 16])
 def test_eval_shards_are_exact(n: int, w: int) -> None:
-    shards = [list(EvalShardSampler(Sized(n), w, r)) for r in range(w)]
-    assert [len(EvalShardSampler(Sized(n), w, r)) for r in range(w)] == [len(s) for s in shards]
+    shards = [list(EvalShareSampler(Sized(n), w, r)) for r in range(w)]
+    assert [len(EvalShareSampler(Sized(n), w, r)) for r in range(w)] == [len(s) for s in shards]
     assert [i for s in shards for i in s] == list(range(n))  # contiguous, disjoint, complete
     sizes = [len(s) for s in shards]
     assert max(sizes) - min(sizes) <= 1

@@ -1,4 +1,4 @@
-"""ShardSampler under torchdata's stateful protocol and torch's own DistributedSampler tests.
+"""ShareSampler under torchdata's stateful protocol and torch's own DistributedSampler tests.
 
 Ported with only the class swapped (each test runs on the original class too, so a case that
 passes only for ours would show): torchdata 0.11's ``test/stateful_dataloader/test_sampler.py``
@@ -41,11 +41,11 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from ddp_template.data.sampler_modes import SAMPLER_MODES
-from ddp_template.data.samplers import ShardSampler
+from ddp_template.data.samplers import ShareSampler
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
-STATEFUL = [StatefulDistributedSampler, ShardSampler]
-DISTRIBUTED = [DistributedSampler, ShardSampler]
+STATEFUL = [StatefulDistributedSampler, ShareSampler]
+DISTRIBUTED = [DistributedSampler, ShareSampler]
 
 
 class MockDataset(Dataset):
@@ -236,13 +236,13 @@ def _checkpoint(state: dict) -> dict:
 def _loader(mode: str, rank: int, workers: int, epoch: int) -> StatefulDataLoader:
     dataset = MockDataset(203)
     shuffle = SAMPLER_MODES[mode].shuffles
-    sampler = ShardSampler(dataset, 3, rank, shuffle, 11, mode=mode)
+    sampler = ShareSampler(dataset, 3, rank, shuffle, 11, mode=mode)
     sampler.set_epoch(epoch)
     return StatefulDataLoader(dataset, batch_size=8, sampler=sampler, num_workers=workers)
 
 
 def _sampler_states(state: object) -> list[dict]:
-    """Every ShardSampler state nested in a StatefulDataLoader state."""
+    """Every ShareSampler state nested in a StatefulDataLoader state."""
     if not isinstance(state, dict):
         return []
     if "position" in state and "mode" in state:
@@ -275,12 +275,12 @@ def test_stateful_dataloader_kill_and_resume(workers: int, mode: str) -> None:
 def test_plain_dataloader_prefetches_so_the_loop_passes_its_position() -> None:
     """Why the template passes state_dict(position): a plain DataLoader's workers run ahead."""
     dataset = MockDataset(400)
-    sampler = ShardSampler(dataset, 2, 0, seed=1)
+    sampler = ShareSampler(dataset, 2, 0, seed=1)
     loader = DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=2, prefetch_factor=4)
     iterator = iter(loader)
     consumed = [int(i) for _ in range(3) for i in next(iterator)]
     assert sampler.yielded > len(consumed)  # prefetched beyond the loop
-    resumed = ShardSampler(dataset, 2, 0, seed=1)
+    resumed = ShareSampler(dataset, 2, 0, seed=1)
     resumed.load_state_dict(sampler.state_dict(len(consumed)))
-    assert consumed + list(resumed) == list(ShardSampler(dataset, 2, 0, seed=1))
+    assert consumed + list(resumed) == list(ShareSampler(dataset, 2, 0, seed=1))
     del iterator

@@ -24,7 +24,7 @@ from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
 from ddp_template.ledger.records import EpochReport
 from ddp_template.ledger.tally import fingerprint_sum
-from ddp_template.ledger.verify import shard_report
+from ddp_template.ledger.verify import share_report
 from ddp_template.run_identity import RunInfo
 from ddp_template.sinks.metrics import RankLogger
 from ddp_template.sinks.wandb_run import SHARED_MIN_VERSION, _settings, choose_layout
@@ -90,7 +90,7 @@ def test_shared_settings_make_rank0_primary() -> None:
 def _report(ok: bool, ratio: float) -> EpochReport:
     seen = fingerprint_sum(np.arange(4))
     observed = [{"samples": 4, "duplicates": 0, "fingerprint": seen}]
-    report = shard_report("padded", 4, observed, [seen if ok else seen + 1])
+    report = share_report("padded", 4, observed, [seen if ok else seen + 1])
     return dataclasses.replace(report, slowest_rank=0, step_s_max_over_min=ratio)
 
 
@@ -113,7 +113,7 @@ def test_alerts_once_and_best_checkpoint_versions(
     for epoch, (ok, ratio, rewritten) in enumerate(
         [(True, 1.2, True), (False, 2.0, False), (False, 3.0, True)]
     ):
-        logger.log_shard_report(_report(ok, ratio), epoch, step=epoch + 1)
+        logger.log_share_report(_report(ok, ratio), epoch, step=epoch + 1)
         if rewritten:
             best.write_bytes(f"epoch {epoch}".encode())
         metrics = {"test/accuracy": epoch / 10}

@@ -57,7 +57,7 @@ def mode_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
             "loader.batch_size=4",
             "log_every=1",
             "logger.log_checkpoints=last",
-            "shard_picture=true",
+            "share_picture=true",
         ),
         env=run_env(WANDB_DATA_DIR=str(out / "wandb-data")),  # W&B's artifact staging copies
     )
@@ -155,14 +155,14 @@ def test_rank0_logs_eval_and_picture(mode_run) -> None:
     assert len(rows_with(runs[0], "test/accuracy")) == EPOCHS
     (sizes,) = rows_with(runs[0], "data/train_size")
     assert (sizes["data/train_size"], sizes["data/test_size"]) == (N, 5)
-    assert (run_dir / "shards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "shares.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_logger_none_writes_jsonl_only(tmp_path: Path) -> None:
     run(train_cmd(tmp_path, "logger=none", "dist.nproc=2", "epochs=1", "max_steps_per_epoch=2"))
     (run_dir,) = run_dirs(tmp_path)
     assert not list(run_dir.rglob("wandb"))
-    assert not (run_dir / "shards.png").exists()  # shard_picture=false (tests' default)
+    assert not (run_dir / "shares.png").exists()  # share_picture=false (tests' default)
     for r in range(2):
         assert any("data/samples" in x for x in jsonl(run_dir / f"rank{r}" / "metrics.jsonl"))
 

@@ -44,7 +44,7 @@ from ddp_template.config.schema import Config
 from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.data.kind import DataKind, kind_of
 from ddp_template.data.sampler_modes import SAMPLER_MODES
-from ddp_template.data.samplers import ShardSampler
+from ddp_template.data.samplers import ShareSampler
 from ddp_template.data.splits import build_splits
 from ddp_template.distributed import DistInfo
 from ddp_template.elastic import read_segments
@@ -63,7 +63,7 @@ class Piece:
     first_k: int
     steps: int
     world_size: int
-    sampler: ShardSampler
+    sampler: ShareSampler
     schedule: EpochSteps
 
     def span(self) -> tuple[int, int]:
@@ -84,7 +84,7 @@ class Run:
     schedule: EpochSteps  # the first segment's epochs
     pieces: tuple[Piece, ...] = ()
 
-    def sampler(self, rank: int, world_size: int | None = None) -> ShardSampler:
+    def sampler(self, rank: int, world_size: int | None = None) -> ShareSampler:
         """Rank ``rank``'s training sampler, built exactly as ``train.py`` builds it."""
         world = world_size or self.world_size
         info = DistInfo(

@@ -260,7 +260,7 @@ def shard_rows(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_stream_that_shards_itself_trains_with_the_verdict_ok(conf, tmp_path) -> None:
-    proc = launch(conf, tmp_path, "data=own_stream", "epochs=2", "shard_picture=true")
+    proc = launch(conf, tmp_path, "data=own_stream", "epochs=2", "share_picture=true")
     d = assert_one_run_dir(tmp_path, W)
     for epoch in range(2):  # every epoch: fresh workers read the stream again, all of it
         rows = [epoch_rows(d, r)[epoch] for r in range(W)]
@@ -273,7 +273,7 @@ def test_a_stream_that_shards_itself_trains_with_the_verdict_ok(conf, tmp_path) 
     assert [r["shards/verdict_ok"] for r in report] == [1, 1]
     assert report[-1]["shards/coverage"] == 1.0 and report[-1]["shards/overlap"] == 0
     assert "verdict ok" in proc.stdout + proc.stderr
-    assert "shards.png" not in [p.name for p in d.iterdir()]  # a stream has no layout
+    assert "shares.png" not in [p.name for p in d.iterdir()]  # a stream has no layout
 
 
 @pytest.mark.slow

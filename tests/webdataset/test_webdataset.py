@@ -402,7 +402,7 @@ def ledger(run_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, shards) -> Path:
     out = tmp_path_factory.mktemp("ref")
-    launch(out, "ref", *shards, "shard_picture=true")
+    launch(out, "ref", *shards, "share_picture=true")
     return out / "outputs" / "ref"
 
 
@@ -427,7 +427,7 @@ def test_uneven_shards_on_2_ranks_x_2_workers_every_sample_once_equal_steps(refe
         assert sum(book[e, r, k][0] for r in range(W) for k in range(K)) == N + 1
     log = (reference / "train.log").read_text()
     assert "pads: " in log and "rank 1 worker 1:" in log
-    assert (reference / "shards.png").is_file()  # the shard picture, drawn from the plan
+    assert (reference / "shares.png").is_file()  # the shard picture, drawn from the plan
 
 
 def test_replay_names_each_step_s_samples_by_key(reference, capsys) -> None:

@@ -245,10 +245,10 @@ class Config:
     max_steps_per_epoch: int | None = None  # cap each epoch at this many steps (smoke runs)
     log_every: int = 10  # steps between interval logs
     resume: str = "auto"  # auto | never | <path to a checkpoint>
-    shard_report_max_n: int = 10_000_000  # ranks keep their indices for a mismatch's report
-    # Rank 0 draws epoch 0's layout into <run_dir>/shards.png (and W&B's shards/layout):
+    share_report_max_n: int = 10_000_000  # ranks keep their indices for a mismatch's report
+    # Rank 0 draws epoch 0's layout into <run_dir>/shares.png (and W&B's shards/layout):
     # matplotlib in a background thread, about a second of CPU. Streams have no layout.
-    shard_picture: bool = True
+    share_picture: bool = True
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
     # The split of the final evaluation (summary.json): test, val (data.val_fraction > 0) or
     # train (without augmentation). With epochs=0 and finetune.init_from: evaluate a checkpoint.

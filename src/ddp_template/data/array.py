@@ -11,7 +11,7 @@ The contract every ``data`` option keeps (and that this module shows end to end)
    :class:`~ddp_template.data.contract.IndexedTensors` does this for in-memory tensors;
    :class:`~ddp_template.data.contract.WithIndex` wraps any ``(x, y)`` dataset.
 2. **Splits are given, not drawn.** A data factory (the YAML's ``_target_``) returns
-   ``Splits(train, test, info)``. The ShardSampler shards ``train`` across ranks; ``test`` is
+   ``Splits(train, test, info)``. The ShareSampler shards ``train`` across ranks; ``test`` is
    split exactly (no padding) for evaluation. ``info = DataInfo(num_classes, in_channels,
    image_size)`` is what the model factory receives, so the model fits the data.
 3. **Bad input is a ConfigError** naming the key (``data.path``), the bad value and the fix.

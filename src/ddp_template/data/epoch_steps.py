@@ -42,13 +42,13 @@ class StepBatch(NamedTuple):
 
 @dataclass(frozen=True, kw_only=True)
 class EpochSteps:
-    length: int  # L: positions per rank per epoch (the longest list: ShardSampler.epoch_length)
+    length: int  # L: positions per rank per epoch (the longest list: ShareSampler.epoch_length)
     batch_size: int
     epochs: int
     max_steps_per_epoch: int | None = None
     drop_last_batch: bool = False
     accumulate: int = 1  # A: micro-batches per optimizer step
-    # Every rank's list length (ShardSampler.rank_lengths); () counts one rank of `length`.
+    # Every rank's list length (ShareSampler.rank_lengths); () counts one rank of `length`.
     rank_lengths: tuple[int, ...] = ()
 
     @property

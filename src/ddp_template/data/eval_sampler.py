@@ -9,7 +9,7 @@ from torch.utils.data import Sampler
 from ddp_template.data.sampler_args import resolve_world
 
 
-class EvalShardSampler(Sampler[int]):
+class EvalShareSampler(Sampler[int]):
     """Exact evaluation sharding: contiguous, unpadded, every index exactly once.
 
     Rank r gets range(r*N//W, (r+1)*N//W), so shard sizes differ by at most one and some are

@@ -34,7 +34,7 @@ from ddp_template.ledger.verify import verify_epoch
 class DataKind(Protocol):
     """One kind of training data, as the recipe sees it."""
 
-    pictured: ClassVar[bool]  # whether train.py draws its shares (shards.png)
+    pictured: ClassVar[bool]  # whether train.py draws its shares (shares.png)
 
     def accept(self, splits: Splits, *, val_fraction: float, target: str) -> None:
         """Refuse a factory's splits this kind cannot read (one sentence)."""
@@ -78,7 +78,7 @@ class DataKind(Protocol):
 
 
 class Planned:
-    """Map-style data (``len`` and ``__getitem__``): a ``ShardSampler`` deals every epoch
+    """Map-style data (``len`` and ``__getitem__``): a ``ShareSampler`` deals every epoch
     before it starts, so every rank's steps are known and its ends are never uneven."""
 
     pictured: ClassVar[bool] = True

@@ -1,7 +1,7 @@
 """The ``sampler`` and ``loader`` groups' builders for map-style data, and the evaluation
 loader every kind shares.
 
-The position within an epoch lives in the sampler (``ShardSampler.state_dict(position)``), so a
+The position within an epoch lives in the sampler (``ShareSampler.state_dict(position)``), so a
 resumed loader starts at the next unseen sample without loading any skipped one. Other kinds of
 training data (``data.kind``) build their own sampler and loader from the same parts.
 """
@@ -12,9 +12,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddp_template.config.schema import LoaderConfig, SamplerConfig
 from ddp_template.data.contract import BatchFetch
-from ddp_template.data.eval_sampler import EvalShardSampler
+from ddp_template.data.eval_sampler import EvalShareSampler
 from ddp_template.data.sampler_modes import SAMPLER_MODES
-from ddp_template.data.samplers import ShardSampler
+from ddp_template.data.samplers import ShareSampler
 from ddp_template.data.workers import loader_kwargs, seeded_generator
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
@@ -22,10 +22,10 @@ from ddp_template.errors import ConfigError
 
 def build_train_sampler(
     dataset: Dataset, cfg: SamplerConfig, *, seed: int, info: DistInfo
-) -> ShardSampler:
+) -> ShareSampler:
     """The ``sampler`` group's builder; the run's ``seed`` unless ``sampler.seed`` is set."""
     check_world(dataset, cfg, info)
-    return ShardSampler(
+    return ShareSampler(
         dataset,
         num_replicas=info.world_size,
         rank=info.rank,
@@ -49,7 +49,7 @@ def check_world(dataset: Dataset, cfg: SamplerConfig, info: DistInfo) -> None:
 
 def build_train_loader(
     dataset: Dataset,
-    sampler: ShardSampler,
+    sampler: ShareSampler,
     cfg: LoaderConfig,
     *,
     seed: int,
@@ -70,7 +70,7 @@ def build_train_loader(
 
 def build_eval_loader(dataset: Dataset, cfg: LoaderConfig, info: DistInfo) -> DataLoader:
     """Contiguous, unpadded shards: no sample is evaluated twice."""
-    sampler = EvalShardSampler(dataset, num_replicas=info.world_size, rank=info.rank)
+    sampler = EvalShareSampler(dataset, num_replicas=info.world_size, rank=info.rank)
     return DataLoader(
         BatchFetch(dataset),
         batch_size=cfg.eval_batch_size,

@@ -1,4 +1,4 @@
-"""What a ShardSampler's ``state_dict`` holds and how ``load_state_dict`` checks it.
+"""What a ShareSampler's ``state_dict`` holds and how ``load_state_dict`` checks it.
 
 The state names the sampler it belongs to (mode, seed, shuffle, permutation, N, W, rank) and
 where its epoch stands (``epoch``, ``position``; ``yielded`` repeats ``position`` under

@@ -1,6 +1,6 @@
 """The training sampler, whose per-rank index lists are defined, not incidental.
 
-`ShardSampler` is a `torch.utils.data.distributed.DistributedSampler` (a subclass, same
+`ShareSampler` is a `torch.utils.data.distributed.DistributedSampler` (a subclass, same
 arguments) giving torch's exact lists in its `padded` and `drop_last` modes, plus libtorch's
 `sequential` layout, the `exact` deal (every sample once, no padding, no drop), a resumable
 position (torchdata's stateful protocol too) and a keyed
@@ -56,7 +56,7 @@ def _resolve_mode(mode: Any, drop_last: bool) -> str:
     return mode
 
 
-class ShardSampler(DistributedSampler[int]):
+class ShareSampler(DistributedSampler[int]):
     """DistributedSampler with explicit modes, O(1)-memory shuffling and a resumable position.
 
     The rank's epoch list is defined through a global list of `total_size` slots: slot j holds
@@ -137,11 +137,11 @@ class ShardSampler(DistributedSampler[int]):
         """The current epoch's prefixes read at other world sizes (none in a plain epoch)."""
         return list(self._rest[1]) if self._rest and self._rest[0] == self.epoch else []
 
-    def prefix_sampler(self, i: int) -> ShardSampler:
+    def prefix_sampler(self, i: int) -> ShareSampler:
         """The sampler that dealt this epoch's ``i``-th prefix (its world size, rank 0): what
         the old ranks' ledgers are checked against."""
         prior = self.prior
-        sampler = ShardSampler(
+        sampler = ShareSampler(
             range(self.base_size),
             prior[i]["world_size"],
             0,

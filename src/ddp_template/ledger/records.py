@@ -11,14 +11,14 @@ are ints mod 2**64 until the report, which shows them as 16 hex digits. Readers:
   ledger part, ``engine.TrainState.carried``).
 - ``PriorSegment``: ``engine.TrainState`` (``prior``, ``steps_before``), ``checkpoint_parts``
   (``Progress`` writes it, ``Ledger.load_resized`` its ledgers, ``SamplerPosition``),
-  ``data.samplers.ShardSampler.continue_epoch``, ``ledger.verify.prior_checks``,
+  ``data.samplers.ShareSampler.continue_epoch``, ``ledger.verify.prior_checks``,
   ``elastic.record_segment`` (segments.json, without the ledgers) and ``replay``.
 - ``Seen``, ``RankRow``, ``WorkerCheck``, ``PriorCheck``: ``ledger.verify`` (``own_check`` and
-  ``prior_checks`` write a rank's row; ``epoch_report`` and ``shard_report`` read the rows).
+  ``prior_checks`` write a rank's row; ``epoch_report`` and ``share_report`` read the rows).
 - ``StreamRow``: ``streams.verify.verify_stream`` (a stream's gathered row).
 - ``EpochReport`` (``RankLine``, ``WorkerLine``, ``PriorLine``, ``Coverage``, ``Verdict``):
   written by ``ledger.verify.epoch_report`` and ``streams.verify.key_report``; read by
-  ``sinks.metrics.RankLogger.log_shard_report`` (the ``shards/*`` keys and tables, the warning,
+  ``sinks.metrics.RankLogger.log_share_report`` (the ``shards/*`` keys and tables, the warning,
   the alerts), ``sinks.console.report_lines`` (the console block), ``data.kind`` (``verify``)
   and whoever calls ``streams.audited.Audited.verdict``.
 """
@@ -104,10 +104,10 @@ class _Counts(TypedDict):
 
 
 class Seen(_Counts, total=False):
-    """What one rank read, as ``shard_report`` weighs it."""
+    """What one rank read, as ``share_report`` weighs it."""
 
     workers: list[WorkerCheck]
-    indices: np.ndarray  # only after a mismatch, where N <= shard_report_max_n
+    indices: np.ndarray  # only after a mismatch, where N <= share_report_max_n
 
 
 class RankRow(Seen):

@@ -6,7 +6,7 @@ may drop a last batch or a run may cap its steps, but a rank must never reorder,
 another rank's data. Only a row per rank is gathered (O(W) bytes): counts, fingerprints and what
 each rank's sampler defines for the epoch. When every rank matches and the ranks agree on the
 definition, the exact coverage, overlap and repeats follow from the mode's layout in O(W); on a
-mismatch, the index lists (kept up to ``shard_report_max_n``) are gathered so that the report
+mismatch, the index lists (kept up to ``share_report_max_n``) are gathered so that the report
 shows what the ranks really read. The report also carries the slowest rank's step time over the
 fastest's.
 """
@@ -161,7 +161,7 @@ def epoch_report(
     elif all_match(rows):
         coverage = derived_coverage(sampler, [(row["start"], row["samples"]) for row in rows])
         coverage = with_prior_coverage(sampler, coverage, prior)
-    report = shard_report(sampler.mode, sampler.base_size, observed, expected, coverage=coverage)
+    report = share_report(sampler.mode, sampler.base_size, observed, expected, coverage=coverage)
     if prior:
         old = [
             PriorLine(
@@ -307,7 +307,7 @@ def derived_coverage(sampler: Any, ranges: list[tuple[int, int]]) -> Coverage:
     )
 
 
-def shard_report(
+def share_report(
     mode: str,
     dataset_size: int,
     observed: list[Seen],

@@ -179,7 +179,7 @@ class RankLogger:
         """Rank 0: the shard picture to W&B, summary.json, and the closing lines."""
         if picture is not None:
             picture.join()
-            self.log_image("shards/layout", self.run.run_dir / "shards.png")
+            self.log_image("shards/layout", self.run.run_dir / "shares.png")
         if not self.info.is_main:
             return
         path = write_summary(
@@ -209,7 +209,7 @@ class RankLogger:
             "epoch %d: %s accuracy %.4f, loss %.4f", epoch, split, result.accuracy, result.loss
         )
 
-    def log_shard_report(self, report: EpochReport, epoch: int, step: int) -> None:
+    def log_share_report(self, report: EpochReport, epoch: int, step: int) -> None:
         """Rank 0: the verdict, coverage and step-time spread as keys, a table and a console
         block; a warning when any rank saw data its sampler mode does not define."""
         summary = {

@@ -1,5 +1,5 @@
 """Drawing shard layouts with matplotlib: a labelled cell per slot for small N, else counts and
-binned coverage. Takes plain arrays (`ShardLayout`), so it never depends on sampler internals;
+binned coverage. Takes plain arrays (`ShareLayout`), so it never depends on sampler internals;
 imports matplotlib lazily and draws on a bare `Figure` (Agg), so it works headless and leaves
 pyplot's global backend alone.
 """
@@ -23,7 +23,7 @@ DPI = 120
 
 
 @dataclass
-class ShardLayout:
+class ShareLayout:
     """One epoch's per-rank index lists and padding flags, as plain arrays."""
 
     mode: str
@@ -66,7 +66,7 @@ def _dropped_text(dropped: np.ndarray, limit: int = 12) -> str:
     return f"dropped: {shown}{more}"
 
 
-def _headline(layout: ShardLayout, title: str | None) -> str:
+def _headline(layout: ShareLayout, title: str | None) -> str:
     """Title plus the numbers a reader checks first: slots per rank, padding, dropped."""
     sizes = sorted({idx.size for idx in layout.ranks}, reverse=True) or [0]
     per_rank = " or ".join(f"{size:,}" for size in sizes)  # `exact`: ceil or floor(N/W)
@@ -110,14 +110,14 @@ def _cell(ax: Any, x: float, y: float, label: str, color: Any, hatch: str | None
     )
 
 
-def _grid_shape(layout: ShardLayout) -> tuple[int, int]:
+def _grid_shape(layout: ShareLayout) -> tuple[int, int]:
     """Columns of the grid and rows of the dataset strip, which wraps beyond STRIP_WRAP cells."""
     per_rank = max((idx.size for idx in layout.ranks), default=0)
     cols = max(per_rank, min(layout.num_samples, STRIP_WRAP), 1)
     return cols, -(-layout.num_samples // cols)
 
 
-def _draw_strip(ax: Any, layout: ShardLayout, colors: list, top: float, cols: int) -> None:
+def _draw_strip(ax: Any, layout: ShareLayout, colors: list, top: float, cols: int) -> None:
     """Every dataset index once, coloured by the rank whose real slot reads it."""
     n = layout.num_samples
     owner = np.full(n, -1)
@@ -131,7 +131,7 @@ def _draw_strip(ax: Any, layout: ShardLayout, colors: list, top: float, cols: in
             ax.text(x + 0.93, y + 0.1, f"×{reads[i]}", ha="right", va="top", fontsize=7)
 
 
-def _draw_cells(ax: Any, layout: ShardLayout, colors: list) -> None:
+def _draw_cells(ax: Any, layout: ShareLayout, colors: list) -> None:
     """Row per rank (epoch order), then a strip of the dataset coloured by who reads each index."""
     world = layout.world_size
     cols, strip_rows = _grid_shape(layout)
@@ -164,7 +164,7 @@ def _draw_cells(ax: Any, layout: ShardLayout, colors: list) -> None:
     _cell_legend(ax, colors, layout)
 
 
-def _cell_legend(ax: Any, colors: list, layout: ShardLayout) -> None:
+def _cell_legend(ax: Any, colors: list, layout: ShareLayout) -> None:
     from matplotlib.patches import Patch
 
     handles = [
@@ -192,7 +192,7 @@ def _cell_legend(ax: Any, colors: list, layout: ShardLayout) -> None:
 
 
 # ----------------------------------------------------------------------------- large N
-def _draw_counts(ax: Any, layout: ShardLayout, colors: list) -> None:
+def _draw_counts(ax: Any, layout: ShareLayout, colors: list) -> None:
     """Per rank: real vs padding slots; unequal bars or padding beyond W-1 mean a bug."""
     ranks = np.arange(layout.world_size)
     pads = np.array([int(p.sum()) for p in layout.padding])
@@ -220,7 +220,7 @@ def _draw_counts(ax: Any, layout: ShardLayout, colors: list) -> None:
     ax.legend(loc="lower right", fontsize=8)
 
 
-def _coverage_note(layout: ShardLayout) -> str:
+def _coverage_note(layout: ShareLayout) -> str:
     """The numbers a binned plot hides: unique coverage, the most-read index, what was dropped."""
     n = layout.num_samples
     reads = np.bincount(np.concatenate(layout.ranks), minlength=n) if layout.ranks else []
@@ -230,7 +230,7 @@ def _coverage_note(layout: ShardLayout) -> str:
     return note + (f"\n{_dropped_text(dropped, limit=5)}" if dropped.size else "")
 
 
-def coverage_bins(layout: ShardLayout, bins: int = COVERAGE_BINS) -> tuple[np.ndarray, np.ndarray]:
+def coverage_bins(layout: ShareLayout, bins: int = COVERAGE_BINS) -> tuple[np.ndarray, np.ndarray]:
     """Integer bin edges and, stacked over ranks 0..r, reads per index in each bin (bin k holds
     i with i * bins // N == k): counts over the bin's size, so a clean epoch tops at exactly 1.0."""
     n, bins = layout.num_samples, min(bins, layout.num_samples)
@@ -239,7 +239,7 @@ def coverage_bins(layout: ShardLayout, bins: int = COVERAGE_BINS) -> tuple[np.nd
     return edges, np.cumsum(np.array(reads).reshape(len(reads), bins), axis=0) / np.diff(edges)
 
 
-def _draw_coverage(ax: Any, layout: ShardLayout, colors: list) -> None:
+def _draw_coverage(ax: Any, layout: ShareLayout, colors: list) -> None:
     """Reads per dataset index, binned and stacked by rank: 1.0 everywhere = each index once."""
     edges, tops = coverage_bins(layout)
     tops = np.column_stack([tops, tops[:, -1]])  # step="post" only uses the last to close
@@ -253,7 +253,7 @@ def _draw_coverage(ax: Any, layout: ShardLayout, colors: list) -> None:
     ax.legend(loc="lower right", fontsize=8)
 
 
-def _draw_summary(ax: Any, layout: ShardLayout, colors: list) -> None:
+def _draw_summary(ax: Any, layout: ShareLayout, colors: list) -> None:
     """Too many slots to draw one by one: two compact plots inside the given axes."""
     ax.axis("off")
     _draw_counts(ax.inset_axes([0.06, 0.0, 0.36, 0.88]), layout, colors)
@@ -261,11 +261,11 @@ def _draw_summary(ax: Any, layout: ShardLayout, colors: list) -> None:
 
 
 # ----------------------------------------------------------------------------- public
-def _is_small(layout: ShardLayout) -> bool:
+def _is_small(layout: ShareLayout) -> bool:
     return layout.num_samples <= SMALL_N
 
 
-def draw_layout(ax: Any, layout: ShardLayout, title: str | None = None) -> None:
+def draw_layout(ax: Any, layout: ShareLayout, title: str | None = None) -> None:
     """Draw one layout on `ax`: every slot for small N, a summary (fast at N=1e6) otherwise."""
     colors = _rank_colors(layout.world_size)
     if _is_small(layout):
@@ -275,7 +275,7 @@ def draw_layout(ax: Any, layout: ShardLayout, title: str | None = None) -> None:
     ax.set_title(_headline(layout, title), loc="left", fontsize=10)
 
 
-def _figsize(layouts: Sequence[ShardLayout]) -> tuple[float, float]:
+def _figsize(layouts: Sequence[ShareLayout]) -> tuple[float, float]:
     """Width from the widest grid (cells stay square and readable), height from the rows."""
     if not all(_is_small(lay) for lay in layouts):
         return 12.0, 4.2 * len(layouts)
@@ -287,7 +287,7 @@ def _figsize(layouts: Sequence[ShardLayout]) -> tuple[float, float]:
     return min(max(CELL_IN * cols + 3.2, 8.0), 40.0), CELL_IN * rows + 0.75 * len(layouts)
 
 
-def save(path: str | Path, layouts: Sequence[ShardLayout], titles: Sequence[str | None]) -> Path:
+def save(path: str | Path, layouts: Sequence[ShareLayout], titles: Sequence[str | None]) -> Path:
     from matplotlib.figure import Figure
 
     path = Path(path)

@@ -1,8 +1,8 @@
 """Pictures of the shard layout: which dataset index each rank reads, and which slots repeat.
 
 A silent data bug (overlapping shards, padding counted as data, dropped samples) is easiest to
-see: each run saves its first epoch's layout as ``shards.png`` (drawn in a background thread)
-and ``make shards`` draws the README figure, one panel per sampler mode.
+see: each run saves its first epoch's layout as ``shares.png`` (drawn in a background thread)
+and ``make shares`` draws the README figure, one panel per sampler mode.
 """
 
 from __future__ import annotations
@@ -17,48 +17,48 @@ from pathlib import Path
 import numpy as np
 
 from ddp_template.data.sampler_modes import SAMPLER_MODES
-from ddp_template.data.samplers import ShardSampler
-from ddp_template.sinks.share_draw import ShardLayout, draw_layout, save
+from ddp_template.data.samplers import ShareSampler
+from ddp_template.sinks.share_draw import ShareLayout, draw_layout, save
 
-__all__ = ["ShardLayout", "draw_layout", "layout_from_sampler", "save_layout_png", "save_modes_png"]
+__all__ = ["ShareLayout", "draw_layout", "layout_from_sampler", "save_layout_png", "save_modes_png"]
 
 log = logging.getLogger("ddp_template")
 PICTURE_MAX_N = 2_000_000  # above this, drawing every rank's shard would cost O(N) at start
 
 
-def layout_from_sampler(sampler: ShardSampler) -> ShardLayout:
+def layout_from_sampler(sampler: ShareSampler) -> ShareLayout:
     """Every rank's list for the sampler's current epoch, as the sampler defines it."""
     ranks, padding = [], []
     for rank in range(sampler.num_replicas):
         idx = np.asarray(sampler.rank_indices(rank), dtype=np.int64)
         ranks.append(idx)
         padding.append(np.asarray(sampler.is_padding(np.arange(idx.size), rank), dtype=bool))
-    return ShardLayout(
+    return ShareLayout(
         mode=sampler.mode, num_samples=sampler.base_size, ranks=ranks, padding=padding
     )
 
 
-def draw_shards_async(sampler: ShardSampler, run_dir: Path) -> threading.Thread | None:
-    """Draw ``shards.png`` for the current epoch in a background thread (rank 0 only).
+def draw_shares_async(sampler: ShareSampler, run_dir: Path) -> threading.Thread | None:
+    """Draw ``shares.png`` for the current epoch in a background thread (rank 0 only).
 
     matplotlib costs about a second to import and draw; a thread keeps that off the path to the
     first optimizer step. Returns the thread (join it before logging the image) or None.
     """
     if sampler.dataset_size > PICTURE_MAX_N:
-        log.info("shards.png skipped: N=%d > %d", sampler.dataset_size, PICTURE_MAX_N)
+        log.info("shares.png skipped: N=%d > %d", sampler.dataset_size, PICTURE_MAX_N)
         return None
     frozen = copy.copy(sampler)  # the training loop moves on (set_epoch) while this draws
 
     def draw() -> None:
-        save_layout_png(run_dir / "shards.png", layout_from_sampler(frozen))
+        save_layout_png(run_dir / "shares.png", layout_from_sampler(frozen))
 
-    thread = threading.Thread(target=draw, name="shards-png", daemon=True)
+    thread = threading.Thread(target=draw, name="shares-png", daemon=True)
     thread.start()
     return thread
 
 
-def save_layout_png(path: str | Path, layout: ShardLayout, title: str | None = None) -> Path:
-    """A run's `shards.png`."""
+def save_layout_png(path: str | Path, layout: ShareLayout, title: str | None = None) -> Path:
+    """A run's `shares.png`."""
     return save(path, [layout], [title])
 
 
@@ -69,16 +69,16 @@ def save_modes_png(
     layouts, titles = [], []
     for mode, rule in SAMPLER_MODES.items():
         mode_shuffle = shuffle and rule.shuffles
-        sampler = ShardSampler(range(n), world, 0, shuffle=mode_shuffle, seed=seed, mode=mode)
+        sampler = ShareSampler(range(n), world, 0, shuffle=mode_shuffle, seed=seed, mode=mode)
         layouts.append(layout_from_sampler(sampler))
         titles.append(f"{mode} (shuffle={mode_shuffle}, seed={seed})" if shuffle else mode)
     return save(path, layouts, titles)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m ddp_template.sinks.share_plot --out docs/shards.png` (`make shards`)."""
+    """`python -m ddp_template.sinks.share_plot --out docs/shares.png` (`make shares`)."""
     parser = argparse.ArgumentParser(description="Draw the sampler modes' shard layouts.")
-    parser.add_argument("--out", type=Path, default=Path("docs/shards.png"))
+    parser.add_argument("--out", type=Path, default=Path("docs/shares.png"))
     parser.add_argument("--n", type=int, default=11, help="dataset size N")
     parser.add_argument("--world", type=int, default=2, help="number of ranks W")
     parser.add_argument("--shuffle", action="store_true")

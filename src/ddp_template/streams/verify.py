@@ -261,8 +261,8 @@ def _exact(rows: list[StreamRow], expected: Expected | None) -> EpochReport | No
 
 
 def _rows_only(rows: list[StreamRow], expected: Expected | None) -> EpochReport:
-    """Counts and fingerprints only: some rank kept no keys (above ``shard_report_max_n``)."""
-    why = "the ranks kept no keys (more samples than shard_report_max_n)"
+    """Counts and fingerprints only: some rank kept no keys (above ``share_report_max_n``)."""
+    why = "the ranks kept no keys (more samples than share_report_max_n)"
     return _counted(rows, expected, Verdict(unchecked=why))
 
 

@@ -13,7 +13,7 @@ sequentially. A rank's *positions* count in the order its DataLoader hands batch
 robin over its workers, batch ``c`` from worker ``c mod K``; the worker ranges are laid out so
 that the one short batch comes last.
 
-:class:`PlanSampler` is a :class:`ShardSampler` of this layout: the shard check, the coverage,
+:class:`PlanSampler` is a :class:`ShareSampler` of this layout: the shard check, the coverage,
 ``replay``, the shard picture and the checkpoint's position read it as they read any sampler.
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ddp_template.data.sampler_modes import ModeRule, ceil_div
-from ddp_template.data.samplers import ShardSampler
+from ddp_template.data.samplers import ShareSampler
 from ddp_template.errors import Misfit
 
 DEFAULT_SHUFFLE_BLOCK = 256
@@ -128,12 +128,12 @@ class OrderRule:
         return ranks, positions
 
 
-class PlanSampler(ShardSampler):
-    """One rank's view of the epoch plan, with ``ShardSampler``'s interface (positions, index
+class PlanSampler(ShareSampler):
+    """One rank's view of the epoch plan, with ``ShareSampler``'s interface (positions, index
     arithmetic, padding, state): what the loader's workers read, and what the checks expect.
 
     The training DataLoader does not iterate it (iterating yields the rank's list, as any
-    ShardSampler): it reads an iterable dataset whose workers ask it for their ranges
+    ShareSampler): it reads an iterable dataset whose workers ask it for their ranges
     (:meth:`worker_indices`). ``set_epoch`` and a resumed position
     reach persistent workers through a shared tensor.
     """

@@ -1,8 +1,8 @@
 """The epoch-end shard check across real ranks: one 2-process gloo job, no mocks.
 
-Each rank resumes its real ShardSampler mid-epoch, reads part of its list into an IndexTally
+Each rank resumes its real ShareSampler mid-epoch, reads part of its list into an IndexTally
 (as the training loop does) and calls ``verify_epoch``, the collective ``train.fit`` calls; rank
-0 hands the report to ``RankLogger.log_shard_report``. In some scenarios one rank is given a
+0 hands the report to ``RankLogger.log_share_report``. In some scenarios one rank is given a
 wrong shard, and the warning it logs, the report and the bytes each gather carried are saved
 for the tests below.
 """
@@ -50,11 +50,11 @@ SCENARIOS = {  # name: (seed of each rank's sampler, rank 1's loader skips a bat
 
 
 def run_scenario(name: str, info: Any, logger: Any, captured: list[str]) -> dict[str, Any]:
-    from ddp_template.data.samplers import ShardSampler
+    from ddp_template.data.samplers import ShareSampler
     from ddp_template.ledger import verify as shard_check
 
     seeds, skip, keep = SCENARIOS[name]
-    sampler = ShardSampler(range(N), WORLD, info.rank, seed=seeds[info.rank], mode="padded")
+    sampler = ShareSampler(range(N), WORLD, info.rank, seed=seeds[info.rank], mode="padded")
     sampler.set_epoch(2)
     stats = read_epoch(sampler, keep=keep, skip_batch=skip and info.rank == 1)
     metrics = shard_check.epoch_metrics(stats, sampler, START, 2)
@@ -72,7 +72,7 @@ def run_scenario(name: str, info: Any, logger: Any, captured: list[str]) -> dict
         shard_check.gather_objects = gather
     del captured[:]
     if report is not None:
-        logger.log_shard_report(report, epoch=2, step=1)
+        logger.log_share_report(report, epoch=2, step=1)
     return {"report": report, "sent": sent, "warnings": list(captured)}
 
 
@@ -110,14 +110,14 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 def test_a_clean_epoch_exchanges_rows_only_and_is_exact(ranks: list[dict[str, Any]]) -> None:
-    from ddp_template.data.samplers import ShardSampler
+    from ddp_template.data.samplers import ShareSampler
 
     clean = [r["clean"] for r in ranks]
     report = clean[0]["report"]
     assert str(report.verdict) == "ok" and clean[1]["report"] is None
     assert not clean[0]["warnings"]
     assert [len(c["sent"]) for c in clean] == [1, 1] and max(clean[0]["sent"]) < 1024
-    truth = ShardSampler(range(N), WORLD, 0, seed=0, mode="padded")
+    truth = ShareSampler(range(N), WORLD, 0, seed=0, mode="padded")
     truth.set_epoch(2)
     lists = [truth.rank_indices(r)[START : START + COUNT] for r in range(WORLD)]
     union = np.unique(np.concatenate(lists))

@@ -11,10 +11,10 @@ import pytest
 from PIL import Image
 
 from ddp_template.data.sampler_modes import SAMPLER_MODES
-from ddp_template.data.samplers import ShardSampler
+from ddp_template.data.samplers import ShareSampler
 from ddp_template.sinks.share_draw import coverage_bins
 from ddp_template.sinks.share_plot import (
-    ShardLayout,
+    ShareLayout,
     draw_layout,
     layout_from_sampler,
     main,
@@ -45,7 +45,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 @pytest.mark.parametrize("mode", list(TABLE_11_2))
 def test_layout_from_sampler_matches_the_design_table(mode: str) -> None:
-    layout = layout_from_sampler(ShardSampler(range(11), 2, 0, shuffle=False, seed=0, mode=mode))
+    layout = layout_from_sampler(ShareSampler(range(11), 2, 0, shuffle=False, seed=0, mode=mode))
     rank0, rank1, pad1 = TABLE_11_2[mode]
     assert (layout.mode, layout.num_samples, layout.world_size) == (mode, 11, 2)
     assert [r.tolist() for r in layout.ranks] == [rank0, rank1]
@@ -56,20 +56,20 @@ def test_layout_from_sampler_matches_the_design_table(mode: str) -> None:
 
 def test_layout_from_sampler_shuffled_and_uneven() -> None:
     shuffled = layout_from_sampler(
-        ShardSampler(range(11), 2, 0, shuffle=True, seed=0, mode="padded")
+        ShareSampler(range(11), 2, 0, shuffle=True, seed=0, mode="padded")
     )
     assert [r.tolist() for r in shuffled.ranks] == [[10, 4, 5, 2, 9, 6], [0, 3, 8, 1, 7, 10]]
     assert shuffled.padding[1].tolist() == [False] * 5 + [True]
     seq = layout_from_sampler(
-        ShardSampler(range(10), 4, 0, shuffle=False, seed=0, mode="sequential")
+        ShareSampler(range(10), 4, 0, shuffle=False, seed=0, mode="sequential")
     )
     assert [r.tolist() for r in seq.ranks] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 0, 1]]
     assert seq.padding[3].tolist() == [False, True, True]
 
 
 def test_save_modes_png_writes_the_readme_picture(tmp_path: Path) -> None:
-    out = save_modes_png(tmp_path / "docs" / "shards.png")
-    assert out == tmp_path / "docs" / "shards.png"
+    out = save_modes_png(tmp_path / "docs" / "shares.png")
+    assert out == tmp_path / "docs" / "shares.png"
     width, height = _png_size(out)
     assert 600 < width < 3000 and 600 < height < 3000
 
@@ -82,17 +82,17 @@ def test_cli_entry_point(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 def test_save_layout_png_for_a_run(tmp_path: Path) -> None:
     layout = layout_from_sampler(
-        ShardSampler(range(50), 3, 0, shuffle=True, seed=1, mode="drop_last")
+        ShareSampler(range(50), 3, 0, shuffle=True, seed=1, mode="drop_last")
     )
-    _png_size(save_layout_png(tmp_path / "run" / "shards.png", layout, title="run-x"))
+    _png_size(save_layout_png(tmp_path / "run" / "shares.png", layout, title="run-x"))
 
 
-def _big_layout(n: int, world: int) -> ShardLayout:
+def _big_layout(n: int, world: int) -> ShareLayout:
     """A padded layout from plain arrays (no sampler involved)."""
     per_rank = -(-n // world)
     slots = np.arange(per_rank * world)
     order = np.random.default_rng(0).permutation(n)[slots % n]
-    return ShardLayout(
+    return ShareLayout(
         "padded",
         n,
         [order[r::world] for r in range(world)],
@@ -119,7 +119,7 @@ def test_coverage_of_a_clean_epoch_is_exactly_one_in_every_bin(
 ) -> None:
     """Bins of unequal width (1438 in 100: 14 or 15 indices) must not show fake spikes."""
     shuffle = SAMPLER_MODES[mode].shuffles
-    layout = layout_from_sampler(ShardSampler(range(n), world, 0, shuffle, 3, mode=mode))
+    layout = layout_from_sampler(ShareSampler(range(n), world, 0, shuffle, 3, mode=mode))
     edges, stacked = coverage_bins(layout)
     assert edges[0] == 0 and edges[-1] == n and (np.diff(edges) >= 1).all()
     assert edges.dtype.kind == "i" and stacked.shape == (world, min(n, 100))
@@ -129,7 +129,7 @@ def test_coverage_of_a_clean_epoch_is_exactly_one_in_every_bin(
 
 @pytest.mark.parametrize(("mode", "sign"), [("padded", 1), ("drop_last", -1)])
 def test_coverage_shows_a_real_repeat_or_gap_in_its_bin_only(mode: str, sign: int) -> None:
-    layout = layout_from_sampler(ShardSampler(range(1439), 2, 0, True, 3, mode=mode))
+    layout = layout_from_sampler(ShareSampler(range(1439), 2, 0, True, 3, mode=mode))
     edges, stacked = coverage_bins(layout)
     odd = layout.ranks[1][-1] if mode == "padded" else layout.dropped()[0]  # the one off index
     k = int(np.searchsorted(edges, odd, side="right")) - 1
@@ -141,9 +141,9 @@ def test_coverage_shows_a_real_repeat_or_gap_in_its_bin_only(mode: str, sign: in
 def test_import_is_light_and_drawing_leaves_pyplot_alone(tmp_path: Path) -> None:
     script = (
         "import sys, numpy as np\n"
-        "from ddp_template.sinks.share_plot import ShardLayout, save_layout_png\n"
+        "from ddp_template.sinks.share_plot import ShareLayout, save_layout_png\n"
         "assert 'matplotlib' not in sys.modules, 'imported matplotlib eagerly'\n"
-        "lay = ShardLayout('padded', 3, [np.array([0, 2]), np.array([1, 0])],\n"
+        "lay = ShareLayout('padded', 3, [np.array([0, 2]), np.array([1, 0])],\n"
         "                  [np.array([False, False]), np.array([False, True])])\n"
         f"save_layout_png({str(tmp_path / 'x.png')!r}, lay)\n"
         "assert 'matplotlib.pyplot' not in sys.modules, 'switched pyplot backends'\n"
