@@ -30,7 +30,7 @@ from ddp_template.checkpoint import Checkpointer, Found, resume_rank0
 from ddp_template.checkpoint_parts import Ledger, Progress, SamplerPosition
 from ddp_template.config import boundary
 from ddp_template.config.schema import Config, register_configs
-from ddp_template.data.contract import Splits
+from ddp_template.data.contract import Splits, first_input
 from ddp_template.data.kind import DataKind, kind_of
 from ddp_template.data.loader import build_eval_loader
 from ddp_template.data.splits import build_splits
@@ -46,7 +46,7 @@ from ddp_template.engine import (
     train_one_epoch,
 )
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
-from ddp_template.evaluation import EvalResult, Evaluation, build_evaluation
+from ddp_template.evaluation import Evaluation, build_evaluation
 from ddp_template.finetune import init_weights
 from ddp_template.ledger.verify import epoch_metrics
 from ddp_template.models import (
@@ -67,6 +67,7 @@ from ddp_template.sinks.console import setup_console
 from ddp_template.sinks.metrics import RankLogger, log
 from ddp_template.sinks.share_plot import draw_shares_async
 from ddp_template.switches import build_switches
+from ddp_template.task import EvalResult, Task, build_task, objective
 
 gc.freeze()  # what was imported lives as long as the process: out of every later pass
 gc.enable()
@@ -78,6 +79,7 @@ if __name__ != "__mp_main__":  # a forked rank or loader worker re-runs this fil
 
 class Built(NamedTuple):
     kind: DataKind  # the training data's kind: map-style, or as its factory chose (data.kind)
+    task: Task  # what is learned and how it is scored
     trainer: Trainer
     splits: Splits
     evaluation: Evaluation
@@ -86,8 +88,8 @@ class Built(NamedTuple):
 
 
 def build(cfg: Config, info: distributed.DistInfo) -> Built:
-    """Data (+augmentation) → sampler → loaders → model (+SyncBN) → switches (EMA) → DDP →
-    compile → optimizer → evaluation."""
+    """Data (+augmentation) → sampler → loaders → task → model (+SyncBN) → switches (EMA) →
+    DDP → compile → optimizer → evaluation."""
     splits = build_splits(cfg.data)
     kind = kind_of(splits)  # map-style, or the kind its factory chose (tar shards, a stream)
     kind.check(cfg, splits)  # the run's options this kind cannot honour
@@ -102,9 +104,11 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         info=info,
     )
     schedule = kind.steps(cfg, sampler)  # optim.accumulate micro-batches each
+    task = build_task(cfg.task)  # what is learned: the loss, the evaluation's sums and metrics
+    task.setup(splits.info, info.device)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, splits.info)
-    check_batch_statistics(model, splits.info, schedule.last_micro_batch)
+    check_batch_statistics(model, lambda: first_input(splits.train), schedule.last_micro_batch)
     if cfg.syncbn.enabled and info.distributed:
         model = convert_syncbn(model, info.device)  # before DDP registers the modules
     if cfg.numerics.channels_last:
@@ -128,7 +132,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         log_every=cfg.log_every,
         schedule=schedule,
         keep_indices=sampler.dataset_size <= cfg.share_report_max_n,
-        label_smoothing=cfg.loss.label_smoothing,
+        task=task,
         feed=kind.feed(cfg, info, switches),  # how batches come and the epoch ends
     )
     evaluation = build_evaluation(
@@ -139,8 +143,10 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         ema=switches.get("ema"),
         info=info,
         amp_mode=str(cfg.amp.mode),
+        task=task,
     )
-    return Built(kind, trainer, splits, evaluation, build_selection(cfg.selection), switches)
+    selection = build_selection(cfg.selection)
+    return Built(kind, task, trainer, splits, evaluation, selection, switches)
 
 
 def checkpointer(
@@ -290,7 +296,8 @@ def step_hook(
 
 
 def train(cfg: Config, run: run_identity.RunInfo) -> float:
-    """One rank's whole run; returns the final eval accuracy (the sweep objective)."""
+    """One rank's whole run; returns the sweep's objective: the task's monitored metric on the
+    split evaluated each epoch (the validation split when there is one)."""
     numerics.apply(cfg.numerics)  # before this rank's first CUDA work
     info = distributed.setup(cfg.backend)
     logger, exit_code = None, 1
@@ -326,7 +333,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         result = fit(cfg, built, state, ckpt, logger)
         logger.finish_run(result, built.splits, state.step, picture)
         exit_code = 0
-        return result.accuracy
+        return built.evaluation.latest().values[objective(built.task, cfg.selection.monitor)[0]]
     except ConfigError as exc:  # one sentence, no traceback: the message says the fix
         log.error("%s", exc)
         exit_code = EXIT_CONFIG_ERROR

@@ -25,15 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_template.amp import autocast
+from ddp_template.data.contract import batch_len, empty_batch, to_device
 from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.distributed import DistInfo
 from ddp_template.ledger.records import PriorSegment, SavedLedger
 from ddp_template.ledger.tally import IndexTally
+from ddp_template.task import Task
 
 
 class Feed(Protocol):
@@ -92,7 +93,7 @@ class Trainer:
     log_every: int = 10
     schedule: EpochSteps | None = None  # which micro-batches make each optimizer step
     keep_indices: bool = False
-    label_smoothing: float = 0.0
+    task: Task  # what is learned: the loss of a micro-batch (ddp_template.task)
     feed: Feed = field(default_factory=lambda: PlannedFeed())  # the data kind's (data.kind)
 
     @property
@@ -152,10 +153,8 @@ def _forward_backward(
         with autocast(tr.amp_mode, tr.info.device):
             # An empty micro-batch's mean is NaN; its sum is 0, so are its gradients, and its
             # backward still runs DDP's all-reduce: the rank contributes zero and nobody hangs.
-            reduction = "mean" if len(y) else "sum"
-            loss = F.cross_entropy(
-                tr.model(x), y, label_smoothing=tr.label_smoothing, reduction=reduction
-            )
+            reduction = "mean" if batch_len(y) else "sum"
+            loss = tr.task.loss(tr.model(x), y, reduction)
         tr.scaler.scale(loss if weight == 1.0 else loss * weight).backward()
     return loss.detach()
 
@@ -196,15 +195,8 @@ def micro_batches(
             if schedule.held(rank, lo, min(lo + size, stop)):
                 batch = previous = next(it)
             else:
-                batch = _empty_batch(loader, previous)
+                batch = empty_batch(loader, previous)
             yield batch, schedule.weight(len(batch[2]), k), j == n - 1
-
-
-def _empty_batch(loader: Any, like: Any) -> tuple:
-    """A batch of no samples shaped like ``like`` (else like the dataset's first sample)."""
-    if like is None:
-        like = loader.collate_fn([loader.dataset[0]])
-    return tuple(t[:0] for t in like)
 
 
 def steps_this_epoch(tr: Trainer, state: TrainState) -> int:
@@ -238,8 +230,7 @@ def train_one_epoch(
     with tr.feed.tail(tr, state, on_step) as shadow:  # uneven=join: Join over DDP, the hook
         for (x, y, idx, *worker), weight, last in batches:  # a stream's batches name their worker
             stats.data_wait_s += time.perf_counter() - waited
-            x = x.to(tr.info.device, non_blocking=True)
-            y = y.to(tr.info.device, non_blocking=True)
+            x, y = to_device(x, tr.info.device), to_device(y, tr.info.device)
             loss = _forward_backward(tr, x, y, weight, sync=last)
             stats.tally.add(idx.numpy(), *worker)
             loss_acc += loss * len(idx)

@@ -11,81 +11,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_template.amp import autocast
+from ddp_template.data.contract import empty_batch, to_device
 from ddp_template.distributed import DistInfo, all_reduce_sum
+from ddp_template.task import EvalResult, Task
 
 log = logging.getLogger("ddp_template")
-
-TOP_K = 5  # test/top5, for data with at least this many classes
-
-
-@dataclass
-class EvalResult:
-    """Exact counts over the whole split (summed over ranks, never averaged ratios)."""
-
-    correct: int
-    count: int
-    loss_sum: float
-    top5_correct: int | None = None  # None with fewer than TOP_K classes
-    class_correct: list[int] = field(default_factory=list)
-    class_count: list[int] = field(default_factory=list)
-    split: str = "test"  # which split summary.json's eval_* keys describe (eval_split)
-
-    @property
-    def accuracy(self) -> float:
-        return self.correct / self.count if self.count else 0.0
-
-    @property
-    def loss(self) -> float:
-        return self.loss_sum / self.count if self.count else float("nan")
-
-    @property
-    def top5(self) -> float | None:
-        if self.top5_correct is None:
-            return None
-        return self.top5_correct / self.count if self.count else 0.0
-
-    @property
-    def class_accuracy(self) -> list[float | None]:
-        return [
-            c / n if n else None for c, n in zip(self.class_correct, self.class_count, strict=True)
-        ]
-
-    def metrics(self, prefix: str) -> dict[str, float]:
-        """The per-epoch keys: <prefix>/accuracy, /loss, /correct and /top5 (>= 5 classes)."""
-        out = {
-            f"{prefix}/accuracy": self.accuracy,
-            f"{prefix}/loss": self.loss,
-            f"{prefix}/correct": self.correct,
-        }
-        if self.top5 is not None:
-            out[f"{prefix}/top5"] = self.top5
-        return out
-
-    def summary(self, prefix: str = "eval") -> dict[str, Any]:
-        """summary.json's keys for the final evaluation (``eval_split`` names its split)."""
-        out = {
-            f"{prefix}_split": self.split,
-            f"{prefix}_accuracy": self.accuracy,
-            f"{prefix}_correct": self.correct,
-            f"{prefix}_count": self.count,
-            f"{prefix}_loss": self.loss,
-            f"{prefix}_per_class_correct": self.class_correct,
-            f"{prefix}_per_class_count": self.class_count,
-            f"{prefix}_per_class_accuracy": self.class_accuracy,
-        }
-        if self.top5 is not None:
-            out[f"{prefix}_top5"] = self.top5
-            out[f"{prefix}_top5_correct"] = self.top5_correct
-        return out
 
 
 def sync_buffers(module: nn.Module, info: DistInfo) -> None:
@@ -102,48 +40,43 @@ def sync_buffers(module: nn.Module, info: DistInfo) -> None:
 
 @torch.no_grad()
 def evaluate(
-    module: nn.Module, loader: Any, info: DistInfo, amp_mode: str, *, num_classes: int
+    module: nn.Module, loader: Any, info: DistInfo, amp_mode: str, task: Task
 ) -> EvalResult:
-    """Exact evaluation: unpadded shards, sums all-reduced.
+    """Exact evaluation: unpadded shards, the task's sums all-reduced.
 
     ``module`` is the unwrapped model: a DDP forward may run collectives (buffer broadcast,
-    SyncBN), and ranks with different (or empty) shards would then deadlock or mismatch.
-    ``num_classes`` sizes the per-class counts, which a rank with an empty shard cannot infer.
+    SyncBN), and ranks with different (or empty) shards would then deadlock or mismatch. A rank
+    whose shard is empty still updates the task with one empty batch, so a torchmetrics state
+    it concatenates has a (zero-length) tensor to sync like every other rank's.
     """
     sync_buffers(module, info)
     was_training = module.training
     module.eval()
-    c = num_classes
-    # correct, count, loss, top-k correct, then per class: correct (c values), count (c values)
-    sums = torch.zeros(4 + 2 * c, dtype=torch.float64, device=info.device)
+    task.begin()
+    sums = task.sums(info.device)
+    seen = False
     for x, y, _ in loader:
-        x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
-        with autocast(amp_mode, info.device):
-            logits = module(x)
-        hit = logits.argmax(dim=1) == y
-        sums[0] += hit.sum()
-        sums[1] += len(y)
-        sums[2] += F.cross_entropy(logits.float(), y, reduction="sum").double()
-        if c >= TOP_K:
-            top = logits.topk(TOP_K, dim=1).indices
-            sums[3] += (top == y[:, None]).any(dim=1).sum()
-        sums[4 : 4 + c] += torch.bincount(y[hit], minlength=c)[:c].double()
-        sums[4 + c :] += torch.bincount(y, minlength=c)[:c].double()
+        _update(module, task, sums, x, y, info, amp_mode)
+        seen = True
+    if not seen and len(loader.dataset):
+        x, y, _ = empty_batch(loader, None)
+        _update(module, task, sums, x, y, info, amp_mode)
     all_reduce_sum(sums, info)
     module.train(was_training)
-    n = [int(v) for v in sums.tolist()]
-    return EvalResult(
-        correct=n[0],
-        count=n[1],
-        loss_sum=float(sums[2].item()),
-        top5_correct=n[3] if c >= TOP_K else None,
-        class_correct=n[4 : 4 + c],
-        class_count=n[4 + c :],
-    )
+    return task.result(sums)
+
+
+def _update(
+    module: nn.Module, task: Task, sums: Tensor, x: Any, y: Any, info: DistInfo, amp_mode: str
+) -> None:
+    x, y = to_device(x, info.device), to_device(y, info.device)
+    with autocast(amp_mode, info.device):
+        output = module(x)
+    task.update(sums, output, y)
 
 
 TEST, VAL, TRAIN = "test", "val", "train"
-# The metric prefix of each split: <prefix>/accuracy, /loss, /correct, /top5.
+# The metric prefix of each split: <prefix>/<the task's metric>.
 PREFIXES = {TEST: "test", VAL: "val", TRAIN: "train"}
 
 
@@ -162,17 +95,16 @@ class Evaluation:
     final: Split
     info: DistInfo
     amp_mode: str
-    num_classes: int
+    task: Task
     last: EvalResult | None = None  # the latest epoch's, while the model has not changed since
+    final_result: EvalResult | None = None  # at_end's
 
     @property
     def prefix(self) -> str:
         return PREFIXES[self.each_epoch.name]
 
     def _run(self, module: nn.Module, split: Split) -> EvalResult:
-        return evaluate(
-            module, split.loader, self.info, self.amp_mode, num_classes=self.num_classes
-        )
+        return evaluate(module, split.loader, self.info, self.amp_mode, self.task)
 
     def epoch(self, epoch: int, step: int, logger: Any) -> dict[str, float]:
         """Evaluate the epoch's model (and EMA), log both; the metrics selection reads."""
@@ -180,10 +112,15 @@ class Evaluation:
         logger.log_eval(self.last, epoch, step, self.prefix)
         if self.ema is not None:  # the averaged weights, evaluated as exactly
             ema = self._run(self.ema.module, self.each_epoch)
-            log.info("EMA %s accuracy %.4f, loss %.4f", self.prefix, ema.accuracy, ema.loss)
+            log.info("EMA %s %s", self.prefix, ema.line)
             named = {k.replace("/", "/ema_", 1): v for k, v in ema.metrics(self.prefix).items()}
             logger.log(named, step)
         return self.last.metrics(self.prefix)
+
+    def latest(self) -> EvalResult:
+        """The split evaluated each epoch, as last evaluated (the sweep's objective); the final
+        split's after ``at_end`` when no epoch was evaluated."""
+        return self.last if self.last is not None else self.final_result
 
     def at_end(self, epoch: int, step: int, logger: Any) -> EvalResult:
         """The final split's result: the last epoch's when it is that split, else evaluated now
@@ -193,6 +130,7 @@ class Evaluation:
         if self.final.name == TEST and self.each_epoch.name != TEST:
             logger.log_eval(result, epoch, step, PREFIXES[TEST])
         result.split = self.final.name
+        self.final_result = result
         return result
 
 
@@ -205,6 +143,7 @@ def build_evaluation(
     ema: Any,
     info: DistInfo,
     amp_mode: str,
+    task: Task,
 ) -> Evaluation:
     """``eval_split``'s builder: ``loader`` makes an evaluation loader of a dataset."""
     each = VAL if splits.val is not None else TEST
@@ -218,5 +157,5 @@ def build_evaluation(
         final=Split(final, loaders[final]),
         info=info,
         amp_mode=amp_mode,
-        num_classes=splits.info.num_classes,
+        task=task,
     )

@@ -9,12 +9,14 @@ logits ``(B, num_classes)``. The template passes those three from the data's ``D
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from hydra.utils import get_method
 from torch import nn
 
 from ddp_template.data.contract import DataInfo
@@ -225,13 +227,18 @@ def describe_load(report: LoadReport) -> str:
 
 
 def build_model(model_cfg: Any, info: DataInfo) -> nn.Module:
-    """Instantiate the ``model`` group's factory with the data's shape and class count."""
-    model = instantiate_clean(
-        model_cfg,
-        num_classes=info.num_classes,
-        in_channels=info.in_channels,
-        image_size=info.image_size,
-    )
+    """Instantiate the ``model`` group's factory, told the data's shapes: each field the data
+    set (``DataInfo.given``) goes to the factory's argument of that name, unless the YAML sets
+    it."""
+    target = get_method(model_cfg["_target_"])
+    params = inspect.signature(target).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    told = {
+        k: v
+        for k, v in info.given().items()
+        if (takes_any or k in params) and model_cfg.get(k) is None
+    }
+    model = instantiate_clean(model_cfg, **told)
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"model._target_={model_cfg.get('_target_')} returned {type(model).__name__}; a "
@@ -240,17 +247,17 @@ def build_model(model_cfg: Any, info: DataInfo) -> nn.Module:
     return model
 
 
-def check_batch_statistics(model: nn.Module, info: DataInfo, last_batch: int) -> None:
+def check_batch_statistics(model: nn.Module, sample: Callable[[], Any], last_batch: int) -> None:
     """Refuse, before training, a per-rank last batch of one sample that a layer normalising
     with batch statistics cannot train on (BatchNorm with one value per channel): probed with
-    one zero sample on a copy of the model."""
+    ``sample()``, a batch of one input, on a copy of the model."""
     if last_batch != 1:
         return
     if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         return
     probe = copy.deepcopy(model).train()
     try:
-        probe(torch.zeros(1, info.in_channels, info.image_size, info.image_size))
+        probe(sample())
     except ValueError as exc:  # "Expected more than 1 value per channel when training"
         raise ConfigError(
             f"each rank's last training batch holds one sample, which the model's BatchNorm "

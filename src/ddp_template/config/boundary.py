@@ -33,8 +33,9 @@ from ddp_template.distributed import (
 )
 from ddp_template.errors import ConfigError, require
 from ddp_template.parallel import check_compile
+from ddp_template.task import build_task, check_monitor
 
-INSTANTIATED = ("model", "data")  # groups Hydra instantiates: their keys go to the _target_
+INSTANTIATED = ("model", "data", "task")  # groups Hydra instantiates: keys go to the _target_
 
 
 def typed(cfg: DictConfig) -> Config:
@@ -245,9 +246,6 @@ def _check_sampler(cfg: Config) -> None:
     )
 
 
-MONITORED = ("accuracy", "loss", "top5")  # selection.monitor=<split>/<one of these>
-
-
 def _check_finetune(cfg: Config) -> None:
     """The rules that span groups: init_from vs resume, the loss, the validation split, what
     selection monitors."""
@@ -257,11 +255,6 @@ def _check_finetune(cfg: Config) -> None:
         f"finetune.init_from={init_from} and resume={cfg.resume} both name a checkpoint; keep "
         f"resume=<path> to continue that run, or finetune.init_from=<path> to start a new one "
         f"from it.",
-    )
-    smoothing = cfg.loss.label_smoothing
-    require(
-        0.0 <= smoothing < 1.0,
-        f"loss.label_smoothing={smoothing} must be in [0, 1); e.g. loss.label_smoothing=0.1.",
     )
     fraction = cfg.data.get("val_fraction", 0.0)
     require(
@@ -274,14 +267,9 @@ def _check_finetune(cfg: Config) -> None:
         "eval_split=test.",
     )
     sel, split = cfg.selection, "val" if fraction > 0 else "test"
+    check_monitor(build_task(cfg.task), sel.monitor, split)
     if sel.monitor is None:
         return
-    allowed = [f"{split}/{m}" for m in MONITORED]
-    require(
-        sel.monitor in allowed,
-        f"selection.monitor={sel.monitor} is not a metric evaluated each epoch of this run; "
-        f"use one of {allowed} (val/* needs data.val_fraction > 0), or null.",
-    )
     require(
         cfg.checkpoint.enabled or sel.patience is not None,
         f"selection.monitor={sel.monitor} keeps best.pt but checkpoint.enabled=false; set "

@@ -87,11 +87,6 @@ class AmpConfig:
 
 
 @dataclass
-class LossConfig:
-    label_smoothing: float = 0.0  # training loss only; test/loss is the plain cross-entropy
-
-
-@dataclass
 class LoaderConfig:
     """The DataLoaders (``data.loader.build_train_loader``, ``build_eval_loader``)."""
 
@@ -228,6 +223,7 @@ class Config:
     amp: AmpConfig = field(default_factory=AmpConfig)
     model: Any = MISSING
     data: Any = MISSING
+    task: Any = MISSING  # what is learned: its loss and metrics (ddp_template.task)
     optim: OptimConfig = field(default_factory=OptimConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -257,7 +253,6 @@ class Config:
     # that runs out; what the others had left is counted as unread) or join (each rank trains
     # on all of its data under torch's Join; no syncbn, optim.accumulate=1).
     uneven: Uneven = Uneven.stop
-    loss: LossConfig = field(default_factory=LossConfig)
     transforms: TransformsConfig = field(default_factory=TransformsConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)

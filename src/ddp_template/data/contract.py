@@ -1,6 +1,7 @@
 """The ``(x, y, index)`` contract every dataset here keeps, and the batched fetch.
 
-``__getitem__(i)`` returns the input tensor, the integer label and ``i`` itself. The index
+``__getitem__(i)`` returns the input ``x``, the target ``y`` (a class index, a value, a mask:
+the task's; either may be a tensor or a nested tuple/dict of tensors) and ``i`` itself. The index
 travels with the batch to the training loop, which is how every rank can log exactly which
 samples it saw (count, fingerprint, first/last index) whatever sampler, loader or worker count
 produced the batch. A data factory (the ``_target_`` of a ``data`` YAML) returns
@@ -10,21 +11,29 @@ factory receives. In-memory data also hands over a whole :class:`Batch` at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.data import Dataset, default_collate
 
 
 @dataclass(frozen=True)
 class DataInfo:
-    """What a model factory needs to know about the data."""
+    """What the model factory and the task are told about the data's shapes: each field that
+    is set goes to the model factory's argument of the same name (``models.build_model``)."""
 
-    num_classes: int
-    in_channels: int
-    image_size: int
+    num_classes: int | None = None  # classes (classification) or per-pixel classes (segmentation)
+    in_channels: int | None = None  # images: channels
+    image_size: int | None = None  # images: height = width
+    in_features: int | None = None  # flat features (regression, tabular data)
+    out_features: int | None = None  # regression targets per sample
+
+    def given(self) -> dict[str, int]:
+        """The fields the data set, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name)}
 
 
 @dataclass
@@ -58,6 +67,34 @@ class Batch(tuple):
     :func:`collate` passes it through as it is."""
 
 
+def to_device(obj: Any, device: torch.device) -> Any:
+    """A batch part (a tensor, or tuples, lists and dicts of them) on ``device``."""
+
+    def move(t: Any) -> Any:
+        return t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+
+    return tree_map(move, obj)
+
+
+def batch_len(part: Any) -> int:
+    """How many samples a batch part holds (its first tensor's first dimension)."""
+    leaves = [t for t in tree_leaves(part) if isinstance(t, torch.Tensor)]
+    return int(leaves[0].shape[0]) if leaves else 0
+
+
+def empty_batch(loader: Any, like: Any) -> tuple:
+    """A batch of no samples shaped like ``like`` (else like the dataset's first sample)."""
+    if like is None:
+        like = loader.collate_fn([loader.dataset[0]])
+    return tuple(tree_map(lambda t: t[:0], part) for part in like)
+
+
+def first_input(dataset: Any) -> Any:
+    """The dataset's first input as a batch of one (a model's probe)."""
+    x, _, _ = default_collate([next(iter(dataset))])
+    return x
+
+
 def collate(samples: Any) -> Any:
     """The loaders' collate: a :class:`Batch` as it is, a list of samples by torch's default."""
     return samples if isinstance(samples, Batch) else default_collate(samples)
@@ -86,8 +123,9 @@ class BatchFetch(Dataset):
 
 
 class IndexedTensors(Dataset):
-    """In-memory inputs and labels; item ``i`` is ``(x[i], y[i], i)``. ``get_batch`` gathers
-    a whole batch at once, with the same values as one item at a time and a default collate."""
+    """In-memory inputs and targets; item ``i`` is ``(x[i], y[i], i)``. ``get_batch`` gathers
+    a whole batch at once, with the same values as one item at a time and a default collate.
+    Targets keep their dtype: class indices (int64), regression values, masks."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         if len(x) != len(y):
@@ -97,12 +135,12 @@ class IndexedTensors(Dataset):
     def __len__(self) -> int:
         return len(self.y)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:
-        return self.x[i], int(self.y[i]), i
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, Any, int]:
+        return self.x[i], self.y[i], i
 
     def get_batch(self, indices: list[int]) -> Batch:
         index = torch.as_tensor(indices, dtype=torch.int64)
-        return Batch((self.x[index], self.y[index].to(torch.int64), index))
+        return Batch((self.x[index], self.y[index], index))
 
 
 class IndexedSubset(Dataset):

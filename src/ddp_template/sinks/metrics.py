@@ -192,22 +192,13 @@ class RankLogger:
                 "run_id": self.run.run_id,
             },
         )
-        log.info(
-            "final %s accuracy %.4f (%d/%d) — run dir %s",
-            result.split,
-            result.accuracy,
-            result.correct,
-            result.count,
-            self.run.run_dir,
-        )
+        log.info("final %s %s — run dir %s", result.split, result.headline, self.run.run_dir)
         log.info("summary: %s", path)
 
     def log_eval(self, result: Any, epoch: int, step: int, split: str) -> None:
-        """``<split>/accuracy``, ``/loss``, ``/correct`` and ``/top5`` (>= 5 classes)."""
+        """``<split>/<metric>`` for each of the task's metrics."""
         self.log({**result.metrics(split), "epoch": epoch}, step)
-        log.info(
-            "epoch %d: %s accuracy %.4f, loss %.4f", epoch, split, result.accuracy, result.loss
-        )
+        log.info("epoch %d: %s %s", epoch, split, result.line)
 
     def log_share_report(self, report: EpochReport, epoch: int, step: int) -> None:
         """Rank 0: the verdict, coverage and step-time spread as keys, a table and a console
