@@ -67,7 +67,13 @@ from ddp_template.sinks.console import setup_console
 from ddp_template.sinks.metrics import RankLogger, log
 from ddp_template.sinks.share_plot import draw_shares_async
 from ddp_template.switches import build_switches
-from ddp_template.task import EvalResult, Task, build_task, objective
+from ddp_template.task import (
+    EvalResult,
+    Task,
+    build_task,
+    objective,
+    register_sweep_direction,
+)
 
 gc.freeze()  # what was imported lives as long as the process: out of every later pass
 gc.enable()
@@ -75,6 +81,7 @@ gc.enable()
 if __name__ != "__mp_main__":  # a forked rank or loader worker re-runs this file to unpickle
     register_configs()
     run_identity.register_resolvers()
+    register_sweep_direction()
 
 
 class Built(NamedTuple):

@@ -217,8 +217,20 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def classification(num_classes: int):
+    """The classification task, told ``num_classes`` (set up on the CPU)."""
+    import torch
+
+    from ddp_template.data.contract import DataInfo
+    from ddp_template.tasks.classification import Classification
+
+    task = Classification()
+    task.setup(DataInfo(num_classes=num_classes), torch.device("cpu"))
+    return task
+
+
 def step_trainer(
-    *, model, optimizer, scaler=None, device=None, amp_mode: str = "off", grad_clip=None
+    *, model, optimizer, scaler=None, device=None, amp_mode: str = "off", grad_clip=None, task=None
 ):
     """A one-process Trainer with a constant learning rate, for tests of a single step (on the
     CPU, fp32, no clipping unless told)."""
@@ -229,6 +241,7 @@ def step_trainer(
 
     from ddp_template.distributed import DistInfo
     from ddp_template.engine import Trainer
+    from ddp_template.tasks.classification import Classification
 
     single = dict(rank=0, local_rank=0, world_size=1, local_world_size=1, backend=None)
     return Trainer(
@@ -241,6 +254,7 @@ def step_trainer(
         info=DistInfo(**single, device=device, host="localhost"),
         amp_mode=amp_mode,
         grad_clip=grad_clip,
+        task=task if task is not None else Classification(),  # the loss needs no setup
     )
 
 

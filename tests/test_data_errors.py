@@ -14,7 +14,6 @@ from helpers import run, train_cmd
 from ddp_template.checkpoint import FORMAT_VERSION, save_atomic
 from ddp_template.config import boundary
 from ddp_template.config.schema import FinetuneConfig, TransformsConfig
-from ddp_template.data.contract import DataInfo
 from ddp_template.data.splits import build_splits
 from ddp_template.data.transforms import apply_transforms
 from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
@@ -43,7 +42,7 @@ def checked(*overrides: str) -> None:
         (["finetune.ema=true"], ["finetune.ema=true", "finetune.init_from=<checkpoint>"]),
         (["finetune.strict=false"], ["finetune.strict=false", "finetune.init_from=<checkpoint>"]),
         (["finetune.init_from=a.pt", "resume=b.pt"], ["finetune.init_from=a.pt", "resume=b.pt"]),
-        (["loss.label_smoothing=1.5"], ["loss.label_smoothing=1.5", "loss.label_smoothing=0.1"]),
+        (["task.label_smoothing=1.5"], ["task.label_smoothing=1.5", "task.label_smoothing=0.1"]),
         (["data.val_fraction=1.5"], ["data.val_fraction=1.5", "data.val_fraction=0.1"]),
         (["selection.monitor=test/f1"], ["selection.monitor=test/f1", "'test/top5'"]),
         (["selection.monitor=val/accuracy"], ["selection.monitor=val/accuracy", "val_fraction"]),
@@ -183,7 +182,9 @@ def test_data_builder_refusals(tmp_path: Path) -> None:
 
 
 def test_batch_of_one_with_batch_norm_is_refused() -> None:
-    flat = DataInfo(num_classes=3, in_channels=5, image_size=1)  # CSV features as 1x1 images
+    def flat():  # CSV features as 1x1 images
+        return torch.zeros(1, 5, 1, 1)
+
     model = small_cnn(num_classes=3, in_channels=5, image_size=1)
     check_batch_statistics(model, flat, last_batch=2)
     refused(
@@ -191,7 +192,8 @@ def test_batch_of_one_with_batch_norm_is_refused() -> None:
         "sampler.drop_last_batch=true",
         "batch_size",
     )
-    check_batch_statistics(model, DataInfo(3, 5, 8), last_batch=1)  # 64 values per channel
+    images = small_cnn(num_classes=3, in_channels=5, image_size=8)
+    check_batch_statistics(images, lambda: torch.zeros(1, 5, 8, 8), last_batch=1)  # 64 a channel
 
 
 def test_train_py_exits_2_on_data_errors(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port, join_gloo, step_trainer
+from helpers import classification, free_port, join_gloo, step_trainer
 
 from ddp_template.config.schema import DDPConfig, EmaConfig, LoaderConfig
 from ddp_template.data.builtin import synthetic
@@ -82,7 +82,7 @@ def worker(rank: int, world: int, port: int, ema_state: dict, out: str) -> None:
         fixed = build_ema(EmaConfig(decay=0.9), make_model(), info)
         fixed.load_state_dict(ema_state)
         loader = build_eval_loader(eval_set(), EVAL, info)
-        mine["eval"] = evaluate(fixed.module, loader, info, "off", num_classes=10)
+        mine["eval"] = evaluate(fixed.module, loader, info, "off", classification(10))
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine)
         if rank == 0:
@@ -104,13 +104,13 @@ def test_ema_identical_on_every_rank_and_exact_eval_at_1_2_3_ranks(
     single.load_state_dict(ema_state)
     alone = rank_info(0, 1)
     one = evaluate(
-        single.module, build_eval_loader(eval_set(), EVAL, alone), alone, "off", num_classes=10
+        single.module, build_eval_loader(eval_set(), EVAL, alone), alone, "off", classification(10)
     )
     data = eval_set()
     x, y, _ = zip(*(data[i] for i in range(len(data))), strict=True)
     logits = single.module.eval()(torch.stack(x))
     labels = torch.tensor(y)
-    assert one.count == 40 and one.correct == int((logits.argmax(1) == labels).sum())
+    assert one.count == 40 and one.values["correct"] == int((logits.argmax(1) == labels).sum())
     for world in (2, 3):
         mp.spawn(worker, args=(world, free_port(), ema_state, str(tmp_path)), nprocs=world)
         ranks = torch.load(tmp_path / f"world{world}.pt", weights_only=False)
@@ -119,5 +119,6 @@ def test_ema_identical_on_every_rank_and_exact_eval_at_1_2_3_ranks(
             assert r["updates"] == 3
         # The models' own BN statistics differ (own batches): the EMA's are rank 0's, broadcast.
         assert not torch.equal(ranks[0]["model_buffers"], ranks[1]["model_buffers"])
-        assert [(r["eval"].correct, r["eval"].count) for r in ranks] == [(one.correct, 40)] * world
-        assert ranks[0]["eval"].loss == pytest.approx(one.loss, rel=1e-5)
+        counts = [(r["eval"].values["correct"], r["eval"].count) for r in ranks]
+        assert counts == [(one.values["correct"], 40)] * world
+        assert ranks[0]["eval"].values["loss"] == pytest.approx(one.values["loss"], rel=1e-5)

@@ -14,6 +14,7 @@ from conftest import compose_conf
 from helpers import (
     PY,
     ROOT,
+    classification,
     cpu_rank,
     jsonl,
     run,
@@ -31,9 +32,11 @@ from ddp_template.config.schema import FinetuneConfig
 from ddp_template.data.loader import build_eval_loader
 from ddp_template.data.splits import build_splits
 from ddp_template.engine import _step
-from ddp_template.evaluation import EvalResult, evaluate
+from ddp_template.evaluation import evaluate
 from ddp_template.finetune import init_weights
 from ddp_template.models import build_model, small_cnn
+from ddp_template.task import EvalResult
+from ddp_template.tasks.classification import Classification
 
 TINY = ["logger=none", "epochs=1", "max_steps_per_epoch=4"]
 
@@ -65,7 +68,7 @@ def evaluate_here(ckpt: Path, *overrides: str) -> EvalResult:
     model = build_model(cfg.model, splits.info)
     init_weights(FinetuneConfig(init_from=str(ckpt), ema=False, strict=True), model)
     loader = build_eval_loader(splits.test, cfg.loader, ONE)
-    return evaluate(model, loader, ONE, "off", num_classes=splits.info.num_classes)
+    return evaluate(model, loader, ONE, "off", classification(splits.info.num_classes))
 
 
 def _fresh_small_cnn(num_classes: int) -> torch.nn.Module:
@@ -131,7 +134,7 @@ def test_best_checkpoint_holds_the_best_epoch_and_early_stop(tmp_path: Path) -> 
         "epoch": best,
     }
     assert payload["progress"]["epoch"] == best + 1
-    assert evaluate_here(d / "checkpoints" / "best.pt").accuracy == accuracy[best]
+    assert evaluate_here(d / "checkpoints" / "best.pt").values["accuracy"] == accuracy[best]
     (wb,) = find_runs(d)
     versions = [a for a in wb.artifacts if a["type"] == "model"]
     new_bests = [e for e in range(len(accuracy)) if accuracy[e] > max(accuracy[:e], default=-1)]
@@ -144,11 +147,7 @@ def test_label_smoothing_is_the_training_loss() -> None:
     torch.manual_seed(0)
     model = small_cnn(num_classes=10, in_channels=1, image_size=8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    tr = step_trainer(
-        model=model,
-        optimizer=optimizer,
-    )
-    tr.label_smoothing = 0.2
+    tr = step_trainer(model=model, optimizer=optimizer, task=Classification(label_smoothing=0.2))
     x, y = torch.randn(6, 1, 8, 8), torch.arange(6)
     model.eval()  # BN running stats: the expected value sees the same normalisation
     expected = F.cross_entropy(model(x), y, label_smoothing=0.2)

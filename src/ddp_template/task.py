@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor
 
 from ddp_template.data.contract import DataInfo
@@ -142,3 +143,16 @@ def build_task(task_cfg: Any) -> Task:
             f'must subclass ddp_template.task.Task (README "Make it yours").'
         )
     return task
+
+
+def sweep_direction(*, _root_: Any) -> str:
+    """``${sweep_direction:}`` (conf/hydra/sweeper/): ``maximize`` or ``minimize``, the
+    direction of the metric the jobs return (``selection.monitor``'s, else the task's)."""
+    _, direction = objective(build_task(_root_.task), _root_.selection.monitor)
+    return "maximize" if direction == "max" else "minimize"
+
+
+def register_sweep_direction() -> None:
+    """Register ``${sweep_direction:}``; idempotent, called before Hydra composes."""
+    if not OmegaConf.has_resolver("sweep_direction"):
+        OmegaConf.register_new_resolver("sweep_direction", sweep_direction)

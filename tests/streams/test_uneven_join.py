@@ -28,6 +28,7 @@ from ddp_template.streams.contract import StreamPosition
 from ddp_template.streams.join import Joined
 from ddp_template.streams.stop import StreamSteps
 from ddp_template.switches.ema import build_ema
+from ddp_template.tasks.classification import Classification
 
 W, B, LR, MOMENTUM, HORIZON = 2, 4, 0.1, 0.9, 20
 # scenario: (rank 0's batches, rank 1's), the step after which rank 0 signals itself
@@ -77,6 +78,7 @@ def run_scenario(rank: int, name: str) -> dict:
         log_every=1000,
         schedule=StreamSteps(length=B * max(lengths), batch_size=B, epochs=1),
         keep_indices=True,
+        task=Classification(),
         feed=Joined(info=info, switches={"ema": ema}),
     )
 

@@ -11,6 +11,7 @@ on this device, the backend, the fault settings — before any process group or 
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import signal
 from dataclasses import fields, is_dataclass
@@ -34,6 +35,8 @@ from ddp_template.distributed import (
 from ddp_template.errors import ConfigError, require
 from ddp_template.parallel import check_compile
 from ddp_template.task import build_task, check_monitor
+
+log = logging.getLogger("ddp_template")
 
 INSTANTIATED = ("model", "data", "task")  # groups Hydra instantiates: keys go to the _target_
 
@@ -123,6 +126,22 @@ def check(cfg: Config) -> None:
         "choose one of them.",
     )
     _check_gpu_host(cfg)
+    _warn_tuning_on_test(cfg)
+
+
+def _warn_tuning_on_test(cfg: Config) -> None:
+    """A sweep returns the monitored metric of the split evaluated each epoch: without a
+    validation split that is the test split, which a sweep must not tune on."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    sweeping = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if sweeping and not cfg.data.get("val_fraction", 0.0):
+        log.warning(
+            "THIS SWEEP TUNES ON THE TEST SPLIT: with no validation split each job returns its "
+            "test metric to the sweeper; set data.val_fraction (e.g. 0.2) so it returns val/*, "
+            'or return a val split from the data factory (README "Sweeps").'
+        )
 
 
 def _check_gpu_host(cfg: Config) -> None:
