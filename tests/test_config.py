@@ -22,10 +22,20 @@ GROUPS = {
     "backend": ["auto", "gloo", "nccl"],
     "syncbn": ["off", "on"],
     "amp": ["off", "bf16", "fp16"],
-    "model": ["small_cnn", "resnet18", "torchvision"],
-    "data": ["digits", "synthetic", "cifar10", "mnist", "imagefolder", "array"],
+    "model": ["small_cnn", "resnet18", "torchvision", "fcn", "mlp"],
+    "data": [
+        "digits",
+        "synthetic",
+        "cifar10",
+        "mnist",
+        "imagefolder",
+        "array",
+        "shapes",
+        "diabetes",
+    ],
     "optim": ["sgd", "adamw"],
     "logger": ["wandb", "none"],
+    "task": ["classification", "segmentation", "regression"],
 }
 
 
@@ -62,11 +72,13 @@ def test_option_composes(group: str, option: str, compose_cfg: Callable[..., Dic
 def test_every_model_instantiates_and_runs(
     model: str, compose_cfg: Callable[..., DictConfig]
 ) -> None:
-    cfg = compose_cfg(f"model={model}", "data=synthetic", "data.size=8", "data.image_size=16")
+    data = ["data=synthetic", "data.size=8", "data.image_size=16"]
+    cfg = compose_cfg(f"model={model}", *(["data=diabetes"] if model == "mlp" else data))
     splits = build_splits(cfg.data)
     net = build_model(cfg.model, splits.info).eval()
     x = torch.stack([splits.train[i][0] for i in range(2)])
-    assert net(x).shape == (2, splits.info.num_classes)
+    outputs = splits.info.num_classes or splits.info.out_features
+    assert net(x).shape[:2] == (2, outputs)  # fcn: per pixel, (2, C, H, W)
 
 
 def test_builtin_offline_data_instantiates(
@@ -201,7 +213,9 @@ def test_typed_config_reaches_builders_as_schema_dataclasses(
     assert type(str(cfg.sampler.mode)) is str  # plain strings reach samplers and checkpoints
     assert isinstance(cfg.model, DictConfig) and cfg.data._target_.endswith(".digits")
     assert not any(
-        isinstance(getattr(cfg, f), DictConfig) for f in vars(cfg) if f not in ("model", "data")
+        isinstance(getattr(cfg, f), DictConfig)
+        for f in vars(cfg)
+        if f not in ("model", "data", "task")
     )
 
 

@@ -166,7 +166,7 @@ def test_own_model_and_dataset_on_two_ranks(tmp_path: Path) -> None:
     for path, text in (
         (code / "mymodels.py", MYMODELS),
         (code / "mydata.py", MYDATA),
-        (conf / "model" / "mlp.yaml", "_target_: mymodels.tiny_mlp\nhidden: 8\n"),
+        (conf / "model" / "tiny_mlp.yaml", "_target_: mymodels.tiny_mlp\nhidden: 8\n"),
         (conf / "data" / "blobs.yaml", "_target_: mydata.blobs\nsize: 50\n"),
     ):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,7 +177,7 @@ def test_own_model_and_dataset_on_two_ranks(tmp_path: Path) -> None:
         train_cmd(
             tmp_path,
             f"hydra.searchpath=[file://{conf}]",
-            "model=mlp",
+            "model=tiny_mlp",
             "data=blobs",
             "dist.nproc=2",
             "loader.batch_size=8",

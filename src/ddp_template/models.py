@@ -1,9 +1,10 @@
 """Model factories (the ``model`` config group) and SyncBN conversion.
 
-The model contract: a ``model`` YAML's ``_target_`` names any callable that accepts the keyword
-arguments ``num_classes``, ``in_channels`` and ``image_size`` (plus its own YAML keys) and
-returns an ``nn.Module`` mapping a float batch ``(B, in_channels, image_size, image_size)`` to
-logits ``(B, num_classes)``. The template passes those three from the data's ``DataInfo``.
+The model contract: a ``model`` YAML's ``_target_`` names any callable returning an
+``nn.Module`` whose output the task reads (logits ``(B, num_classes)`` for classification,
+``(B, out_features)`` for regression, ``(B, num_classes, H, W)`` for segmentation). Each field
+the data's ``DataInfo`` sets (``num_classes``, ``in_channels``, ``image_size``, ``in_features``,
+``out_features``) goes to the factory's argument of that name, unless its YAML sets it.
 """
 
 from __future__ import annotations
@@ -68,6 +69,52 @@ def small_cnn(
         nn.Dropout(dropout),
         nn.Linear(channels, num_classes),
     ]
+    return nn.Sequential(*layers)
+
+
+def fcn(num_classes: int, in_channels: int, width: int = 16, depth: int = 3) -> nn.Module:
+    """A small fully convolutional net for segmentation: ``depth`` conv-BN-ReLU blocks at full
+    resolution, then a 1x1 head: ``(B, in_channels, H, W)`` → ``(B, num_classes, H, W)`` logits,
+    for any H and W."""
+    if width < 1 or depth < 1:
+        raise ConfigError(f"model.width={width} and model.depth={depth} must both be >= 1.")
+    layers: list[nn.Module] = []
+    channels = in_channels
+    for _ in range(depth):
+        layers += [
+            nn.Conv2d(channels, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+        ]
+        channels = width
+    layers.append(nn.Conv2d(channels, num_classes, 1))
+    return nn.Sequential(*layers)
+
+
+def mlp(
+    in_features: int | None = None,
+    out_features: int | None = None,
+    hidden: int = 64,
+    depth: int = 2,
+) -> nn.Module:
+    """A multilayer perceptron for flat features (tabular data, regression): ``depth`` hidden
+    Linear-ReLU layers of ``hidden`` units, then a linear head: ``(B, in_features)`` →
+    ``(B, out_features)``; ``depth=0`` is a linear model. Inputs of more dimensions are
+    flattened first."""
+    if in_features is None or out_features is None:
+        raise ConfigError(
+            f"model=mlp needs the data's in_features and out_features (here {in_features} and "
+            f"{out_features}): return them in the data factory's DataInfo, e.g. data=diabetes, "
+            f"or set model.in_features and model.out_features."
+        )
+    if hidden < 1 or depth < 0:
+        raise ConfigError(f"model.hidden={hidden} must be >= 1 and model.depth={depth} >= 0.")
+    layers: list[nn.Module] = [nn.Flatten()]
+    features = in_features
+    for _ in range(depth):
+        layers += [nn.Linear(features, hidden), nn.ReLU(inplace=True)]
+        features = hidden
+    layers.append(nn.Linear(features, out_features))
     return nn.Sequential(*layers)
 
 
@@ -238,6 +285,20 @@ def build_model(model_cfg: Any, info: DataInfo) -> nn.Module:
         for k, v in info.given().items()
         if (takes_any or k in params) and model_cfg.get(k) is None
     }
+    missing = [
+        name
+        for name, p in params.items()
+        if p.default is p.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and name not in told
+        and model_cfg.get(name) is None
+    ]
+    if missing:
+        raise ConfigError(
+            f"model._target_={model_cfg['_target_']} needs {', '.join(missing)}, which the data "
+            f"does not give (it gives {', '.join(info.given()) or 'nothing'}); pick a model for "
+            f"this data, or set model.{missing[0]}=<value>."
+        )
     model = instantiate_clean(model_cfg, **told)
     if not isinstance(model, nn.Module):
         raise ConfigError(

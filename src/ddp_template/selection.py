@@ -13,6 +13,7 @@ from typing import Any
 
 from ddp_template.config.loop import SelectionConfig
 from ddp_template.errors import ConfigError
+from ddp_template.task import Task, objective
 
 log = logging.getLogger("ddp_template")
 
@@ -71,6 +72,8 @@ class Selection:
             self.value, self.epoch = state["value"], state["epoch"]
 
 
-def build_selection(cfg: SelectionConfig) -> Selection:
-    """The ``selection`` group's builder."""
-    return Selection(monitor=cfg.monitor, mode=str(cfg.mode), patience=cfg.patience)
+def build_selection(cfg: SelectionConfig, task: Task) -> Selection:
+    """The ``selection`` group's builder; ``selection.mode`` defaults to the task's direction
+    for the monitored metric."""
+    _, mode = objective(task, cfg.monitor, cfg.mode)
+    return Selection(monitor=cfg.monitor, mode=mode, patience=cfg.patience)

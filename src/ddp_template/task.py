@@ -127,11 +127,12 @@ def check_monitor(task: Task, monitor: str | None, split: str) -> None:
         )
 
 
-def objective(task: Task, monitor: str | None) -> tuple[str, Direction]:
-    """The metric a sweep optimises (``selection.monitor``'s, else the task's) and its
-    direction."""
+def objective(task: Task, monitor: str | None, mode: str | None) -> tuple[str, Direction]:
+    """The metric that selection watches and a sweep optimises (``selection.monitor``'s, else
+    the task's) and its direction (``selection.mode``, else the task's for that metric)."""
     name = monitor.split("/", 1)[1] if monitor else task.monitor
-    return name, task.metric_directions()[name]
+    direction = str(mode) if mode is not None else task.metric_directions()[name]
+    return name, direction  # type: ignore[return-value]
 
 
 def build_task(task_cfg: Any) -> Task:
@@ -148,7 +149,8 @@ def build_task(task_cfg: Any) -> Task:
 def sweep_direction(*, _root_: Any) -> str:
     """``${sweep_direction:}`` (conf/hydra/sweeper/): ``maximize`` or ``minimize``, the
     direction of the metric the jobs return (``selection.monitor``'s, else the task's)."""
-    _, direction = objective(build_task(_root_.task), _root_.selection.monitor)
+    selection = _root_.selection
+    _, direction = objective(build_task(_root_.task), selection.monitor, selection.mode)
     return "maximize" if direction == "max" else "minimize"
 
 

@@ -54,10 +54,10 @@ class ProfilerConfig:
 class SelectionConfig:
     """best.pt and early stopping (``selection.build_selection``)."""
 
-    # Keep best.pt beside last.pt: the epoch whose <split>/<metric> was best (test/accuracy,
-    # test/loss, test/top5; val/* with data.val_fraction > 0), by mode. null: no best.pt.
+    # Keep best.pt beside last.pt: the epoch whose <split>/<metric> was best (one of the task's
+    # metrics, e.g. test/accuracy, val/mse with data.val_fraction > 0), by mode. null: no best.pt.
     monitor: str | None = None
-    mode: MonitorMode = MonitorMode.max
+    mode: MonitorMode | None = None  # null: the direction the task gives the metric
     patience: int | None = None  # stop after this many epochs without a new best of monitor
 
     def check(self) -> None:

@@ -22,6 +22,22 @@ class SmallCNNConfig:
 
 
 @dataclass
+class FCNConfig:
+    _target_: str = "ddp_template.models.fcn"
+    width: int = 16
+    depth: int = 3
+
+
+@dataclass
+class MLPConfig:
+    _target_: str = "ddp_template.models.mlp"
+    in_features: int | None = None  # null: the data's (DataInfo.in_features)
+    out_features: int | None = None  # null: the data's (DataInfo.out_features)
+    hidden: int = 64
+    depth: int = 2
+
+
+@dataclass
 class ResNet18Config:
     _target_: str = "ddp_template.models.resnet18"
     zero_init_residual: bool = False
@@ -51,6 +67,13 @@ class DigitsConfig(DataSplitConfig):
 
 
 @dataclass
+class DiabetesConfig(DataSplitConfig):
+    _target_: str = "ddp_template.data.builtin.diabetes"
+    test_fraction: float = 0.2
+    split_seed: int = 0
+
+
+@dataclass
 class SyntheticConfig(DataSplitConfig):
     _target_: str = "ddp_template.data.builtin.synthetic"
     size: int = 4096
@@ -59,6 +82,17 @@ class SyntheticConfig(DataSplitConfig):
     image_size: int = 32
     num_classes: int = 10
     noise: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class ShapesConfig(DataSplitConfig):
+    _target_: str = "ddp_template.data.builtin.shapes"
+    size: int = 512
+    test_size: int = 128
+    image_size: int = 16
+    num_classes: int = 3
+    noise: float = 0.5
     seed: int = 0
 
 

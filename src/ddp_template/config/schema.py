@@ -46,9 +46,13 @@ from ddp_template.config.loop import (
 )
 from ddp_template.config.options import (
     ArrayConfig,
+    DiabetesConfig,
     DigitsConfig,
+    FCNConfig,
     ImageFolderConfig,
+    MLPConfig,
     ResNet18Config,
+    ShapesConfig,
     SmallCNNConfig,
     SyntheticConfig,
     TorchvisionDataConfig,
@@ -274,13 +278,17 @@ def register_configs() -> None:
             "small_cnn_schema": SmallCNNConfig,
             "resnet18_schema": ResNet18Config,
             "torchvision_schema": TorchvisionModelConfig,
+            "mlp_schema": MLPConfig,
+            "fcn_schema": FCNConfig,
         },
         "data": {
             "digits_schema": DigitsConfig,
+            "diabetes_schema": DiabetesConfig,
             "synthetic_schema": SyntheticConfig,
             "torchvision_schema": TorchvisionDataConfig,
             "imagefolder_schema": ImageFolderConfig,
             "array_schema": ArrayConfig,
+            "shapes_schema": ShapesConfig,
         },
     }
     for group, schemas in groups.items():

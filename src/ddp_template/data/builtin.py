@@ -53,6 +53,46 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
 
 
+def diabetes(test_fraction: float = 0.2, split_seed: int = 0) -> Splits:
+    """scikit-learn's bundled diabetes regression data (offline): 442 samples of 10 features,
+    one target (disease progression after a year).
+
+    The split is drawn as ``digits``' is: the first ``round(442 * test_fraction)`` of a
+    permutation seeded with ``split_seed`` (88 by default) are the test set, the remaining 354
+    the training set. Features and target are standardised with the training set's mean and
+    standard deviation (so the MSE of predicting the mean is about 1). Targets are float32,
+    shaped ``(N, 1)`` like the model's output.
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ConfigError(
+            f"data.test_fraction={test_fraction} must lie strictly between 0 and 1; try 0.2."
+        )
+    features, target = _diabetes_arrays()
+    x = torch.tensor(features, dtype=torch.float32)
+    y = torch.tensor(target, dtype=torch.float32).unsqueeze(1)
+    order = torch.from_numpy(np.random.default_rng(split_seed).permutation(len(y)))
+    n_test = round(len(y) * test_fraction)
+    test, train = order[:n_test], order[n_test:]
+    x = (x - x[train].mean(dim=0)) / x[train].std(dim=0)
+    y = (y - y[train].mean()) / y[train].std()
+    info = DataInfo(in_features=x.shape[1], out_features=1)
+    return Splits(IndexedTensors(x[train], y[train]), IndexedTensors(x[test], y[test]), info)
+
+
+def _diabetes_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """``load_diabetes(scaled=False)``'s features (442, 10) and target, read from the files
+    scikit-learn ships (without importing scikit-learn, as ``_digits_arrays``)."""
+    spec = importlib.util.find_spec("sklearn")
+    folder = Path(spec.origin).parent / "datasets" / "data" if spec else None
+    names = ("diabetes_data_raw.csv.gz", "diabetes_target.csv.gz")
+    files = [folder / name for name in names] if folder else []
+    if not files or not all(f.is_file() for f in files):  # another layout: scikit-learn's reader
+        from sklearn.datasets import load_diabetes
+
+        return load_diabetes(return_X_y=True, scaled=False)
+    return np.loadtxt(files[0]), np.loadtxt(files[1])
+
+
 class SyntheticImages(Dataset):
     """Deterministic, learnable images of any size N, generated on the fly from the index.
 
@@ -209,3 +249,49 @@ def _first_image(folder: Any, path: str) -> torch.Tensor:
             f"data.path={path}: {file} cannot be read as an image ({type(exc).__name__}); "
             f"replace or remove the file."
         ) from None
+
+
+def shapes(
+    size: int = 512,
+    test_size: int = 128,
+    image_size: int = 16,
+    num_classes: int = 3,
+    noise: float = 0.5,
+    seed: int = 0,
+) -> Splits:
+    """Synthetic segmentation (offline, deterministic): 1-channel images holding 1 to 3 filled
+    rectangles or discs, each of a class drawn from 1..num_classes-1 and written into a per-pixel
+    int64 mask (0 is the background, later shapes cover earlier ones). A pixel of class ``k`` has
+    the value ``levels[k] + noise * gaussian``, levels evenly spaced in [-1, 1]: learnable, and
+    a network does better by looking at the pixel's neighbours. The test images come from the
+    same generator after the training ones."""
+    for key, value, least in (
+        ("size", size, 1),
+        ("test_size", test_size, 1),
+        ("image_size", image_size, 4),
+        ("num_classes", num_classes, 2),
+    ):
+        if value < least:
+            raise ConfigError(f"data.{key}={value} must be at least {least}.")
+    gen = torch.Generator().manual_seed(seed)
+    n, h = size + test_size, image_size
+    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(h), indexing="ij")
+    masks = torch.zeros(n, h, h, dtype=torch.int64)
+
+    def draw(high: int, count: int = 1) -> list[int]:
+        return torch.randint(0, high, (count,), generator=gen).tolist()
+
+    for mask in masks:
+        for _ in range(1 + draw(3)[0]):
+            cls, disc, r0, c0, a, b = draw(num_classes - 1)[0] + 1, *draw(2), *draw(h, 4)
+            if disc:
+                radius = 1 + (a % max(h // 4, 1))
+                inside = (rows - r0) ** 2 + (cols - c0) ** 2 <= radius**2
+            else:
+                inside = (rows >= r0) & (rows <= r0 + a // 2) & (cols >= c0) & (cols <= c0 + b // 2)
+            mask[inside] = cls
+    levels = torch.linspace(-1.0, 1.0, num_classes)
+    x = (levels[masks] + noise * torch.randn(n, h, h, generator=gen)).unsqueeze(1)
+    info = DataInfo(num_classes=num_classes, in_channels=1, image_size=h)
+    train = IndexedTensors(x[:size], masks[:size])
+    return Splits(train, IndexedTensors(x[size:], masks[size:]), info)
