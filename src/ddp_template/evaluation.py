@@ -1,10 +1,10 @@
 """Exact evaluation, and which split is evaluated when, of which weights, under which names.
 
 ``evaluate`` adds up the task's sums (``task.Task``) over unpadded shards and all-reduces them,
-so a run on any number of ranks reports the single-process numbers. ``Evaluation`` is the epoch end's
-part of it: the validation split each epoch when there is one (else the test split), the EMA
-copy beside the model, and once at the end the split ``eval_split`` names (what summary.json
-reports).
+so a run on any number of ranks reports the single-process numbers. ``Evaluation`` is the epoch
+end's part of it: the validation split each epoch when there is one (else the test split), the
+EMA copy beside the model, and once at the end the split ``eval_split`` names (what
+summary.json reports).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import Tensor
 
-from ddp_template.data.contract import DataInfo
+from ddp_template.data.contract import DataInfo, batch_len
 from ddp_template.errors import ConfigError, instantiate_clean
 
 Direction = Literal["max", "min"]
@@ -106,12 +106,30 @@ class Task:
     def update_extra(self, output: Any, y: Any) -> None:
         if self.extra:
             preds, target = self.metric_inputs(output, y)
+            empty = batch_len(target) == 0
             for metric in self.extra.values():
+                if empty and not _concatenates(metric):
+                    continue  # its zero states sync as they are (stat scores refuse no samples)
                 metric.update(preds, target)
+
+    def scored(self, result: EvalResult) -> EvalResult:
+        """``result`` with the torchmetrics' values added to its metrics, summary and line."""
+        extra = self.computed()
+        result.values.update(extra)
+        result.details.update(extra)
+        result.line += "".join(f", {name} {value:.4f}" for name, value in extra.items())
+        return result
 
     def computed(self) -> dict[str, float]:
         """The torchmetrics' values, synced over the ranks by torchmetrics (a collective)."""
         return {name: float(metric.compute()) for name, metric in self.extra.items()}
+
+
+def _concatenates(metric: Any) -> bool:
+    """Whether a torchmetrics metric keeps list states (every sample's predictions), which an
+    empty rank must still fill with a zero-length tensor of its shape to sync: torchmetrics'
+    own stand-in for an empty list is 1-D, a mismatch for (N, C) predictions."""
+    return any(isinstance(state, list) for state in metric.metric_state.values())
 
 
 def check_monitor(task: Task, monitor: str | None, split: str) -> None:

@@ -11,7 +11,8 @@ factory receives. In-memory data also hands over a whole :class:`Batch` at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -30,10 +31,12 @@ class DataInfo:
     image_size: int | None = None  # images: height = width
     in_features: int | None = None  # flat features (regression, tabular data)
     out_features: int | None = None  # regression targets per sample
+    extra: Mapping[str, int] = field(default_factory=dict)  # sizes of your own (vocab_size, ...)
 
     def given(self) -> dict[str, int]:
-        """The fields the data set, by name."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name)}
+        """The sizes the data set, by name (``extra``'s too)."""
+        named = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {**{k: v for k, v in named.items() if v}, **self.extra}
 
 
 @dataclass

@@ -45,6 +45,11 @@ class Classification(Task):
     def loss(self, output: Tensor, y: Tensor, reduction: str) -> Tensor:
         return F.cross_entropy(output, y, label_smoothing=self.label_smoothing, reduction=reduction)
 
+    def metric_inputs(self, output: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        # Probabilities, not logits: torchmetrics would softmax a batch only when some value lies
+        # outside [0, 1], a guess that could differ between the batches of 1 and of W ranks.
+        return output.float().softmax(dim=1), y
+
     def sums(self, device: torch.device) -> Tensor:
         # correct, count, loss, top-k correct, then per class: correct (c values), count (c)
         return torch.zeros(4 + 2 * self.num_classes, dtype=torch.float64, device=device)
@@ -84,13 +89,12 @@ class Classification(Task):
         if c >= TOP_K:
             values["top5"] = details["top5"] = n[3] / count if count else 0.0
             details["top5_correct"] = n[3]
-        extra = self.computed()
-        values.update(extra)
-        details.update(extra)
-        return EvalResult(
-            values=values,
-            count=count,
-            details=details,
-            headline=f"accuracy {accuracy:.4f} ({correct}/{count})",
-            line=f"accuracy {accuracy:.4f}, loss {loss:.4f}",
+        return self.scored(
+            EvalResult(
+                values=values,
+                count=count,
+                details=details,
+                headline=f"accuracy {accuracy:.4f} ({correct}/{count})",
+                line=f"accuracy {accuracy:.4f}, loss {loss:.4f}",
+            )
         )

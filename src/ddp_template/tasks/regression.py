@@ -84,13 +84,12 @@ class Regression(Task):
             r2 = float((1.0 - sse / total).mean())
         values = {"mse": mse, "mae": mae, "r2": r2}
         details: dict[str, Any] = {**values, "count": count}
-        extra = self.computed()
-        values.update(extra)
-        details.update(extra)
-        return EvalResult(
-            values=values,
-            count=count,
-            details=details,
-            headline=f"mse {mse:.4f}, r2 {r2:.4f} ({count} samples)",
-            line=f"mse {mse:.4f}, mae {mae:.4f}, r2 {r2:.4f}",
+        return self.scored(
+            EvalResult(
+                values=values,
+                count=count,
+                details=details,
+                headline=f"mse {mse:.4f}, r2 {r2:.4f} ({count} samples)",
+                line=f"mse {mse:.4f}, mae {mae:.4f}, r2 {r2:.4f}",
+            )
         )

@@ -97,13 +97,12 @@ class Segmentation(Task):
             "per_class_intersection": inter,
             "per_class_union": union,
         }
-        extra = self.computed()
-        values.update(extra)
-        details.update(extra)
-        return EvalResult(
-            values=values,
-            count=count,
-            details=details,
-            headline=f"miou {miou:.4f}, pixel accuracy {accuracy:.4f} ({correct}/{pixels} px)",
-            line=f"miou {miou:.4f}, pixel_accuracy {accuracy:.4f}, loss {loss:.4f}",
+        return self.scored(
+            EvalResult(
+                values=values,
+                count=count,
+                details=details,
+                headline=f"miou {miou:.4f}, pixel accuracy {accuracy:.4f} ({correct}/{pixels} px)",
+                line=f"miou {miou:.4f}, pixel_accuracy {accuracy:.4f}, loss {loss:.4f}",
+            )
         )
