@@ -30,7 +30,7 @@ from ddp_template.checkpoint import Checkpointer, Found, resume_rank0
 from ddp_template.checkpoint_parts import Ledger, Progress, SamplerPosition
 from ddp_template.config import boundary
 from ddp_template.config.schema import Config, register_configs
-from ddp_template.data.contract import Splits, first_input, to_device
+from ddp_template.data.contract import Splits, first_input
 from ddp_template.data.kind import DataKind, kind_of
 from ddp_template.data.loader import build_eval_loader
 from ddp_template.data.splits import build_splits
@@ -57,7 +57,7 @@ from ddp_template.models import (
     weights_part,
 )
 from ddp_template.optim import build_optimizer, build_scheduler, set_horizon
-from ddp_template.parallel import build_ddp, compile_model, settle_buckets
+from ddp_template.parallel import build_ddp, compile_model
 from ddp_template.preemption import Preemption
 from ddp_template.process import exit_records, quick_exit
 from ddp_template.profiling import StepProfiler
@@ -123,7 +123,6 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     model.to(info.device)
     switches = build_switches(cfg, model, info)  # plain: never wrapped, never compiled
     trained = build_ddp(cfg.ddp, model, info)
-    settle_buckets(trained, lambda: to_device(first_input(splits.train), info.device))
     if cfg.compile:
         trained = compile_model(trained)  # after DDP, as DDP recommends
     optimizer = build_optimizer(cfg.optim, model)

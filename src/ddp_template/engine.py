@@ -34,6 +34,7 @@ from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.distributed import DistInfo
 from ddp_template.ledger.records import PriorSegment, SavedLedger
 from ddp_template.ledger.tally import IndexTally
+from ddp_template.parallel import settle_buckets
 from ddp_template.task import Task
 
 
@@ -95,6 +96,7 @@ class Trainer:
     keep_indices: bool = False
     task: Task  # what is learned: the loss of a micro-batch (ddp_template.task)
     feed: Feed = field(default_factory=lambda: PlannedFeed())  # the data kind's (data.kind)
+    settled: bool = False  # this launch's DDP buckets rebuilt (parallel.settle_buckets)
 
     @property
     def ddp(self) -> DDP | None:
@@ -231,6 +233,9 @@ def train_one_epoch(
         for (x, y, idx, *worker), weight, last in batches:  # a stream's batches name their worker
             stats.data_wait_s += time.perf_counter() - waited
             x, y = to_device(x, tr.info.device), to_device(y, tr.info.device)
+            if not tr.settled and tr.ddp is not None:
+                settle_buckets(tr.ddp, x)  # this launch's first step on DDP's rebuilt buckets
+            tr.settled = True
             loss = _forward_backward(tr, x, y, weight, sync=last)
             stats.tally.add(idx.numpy(), *worker)
             loss_acc += loss * len(idx)

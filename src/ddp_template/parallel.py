@@ -9,13 +9,12 @@ evaluated and checkpointed, so a compiled run's checkpoint resumes uncompiled an
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ddp_template.config.schema import DDPConfig
 from ddp_template.distributed import DistInfo
@@ -41,21 +40,19 @@ def build_ddp(cfg: DDPConfig, module: nn.Module, info: DistInfo) -> nn.Module:
     )
 
 
-def settle_buckets(trained: nn.Module, sample: Callable[[], Any]) -> None:
-    """One zero-loss backward of ``sample()`` (a batch of one input, on the device) before the
-    first step, so that every launch, fresh or resumed, trains from its first step on the
-    buckets DDP rebuilds after a first backward (nothing to do for one rank)."""
-    if not isinstance(trained, DDP):
-        return
+def settle_buckets(ddp: DDP, x: Any) -> None:
+    """One zero-loss backward of the input ``x`` before a launch's first step, so that every
+    launch, fresh or resumed, trains from its first step on the buckets DDP rebuilds after a
+    first backward."""
     # DDP first lays its buckets out in parameter order, then, after the first backward,
     # rebuilds them in the order the gradients became ready. With three or more ranks the
     # position of a gradient in its bucket decides the order the ranks' values are summed in,
     # so a resumed launch whose first step ran on the first layout would round differently
     # from the uninterrupted run's same step, which ran on the rebuilt one.
-    module = trained.module
+    module = ddp.module
     was_training = module.training
     module.eval()  # no running statistics updated, no dropout drawn
-    output = trained(sample())
+    output = ddp(tree_map(lambda t: t[:1], x))
     (sum(t.sum() for t in tree_leaves(output) if t.is_floating_point()) * 0.0).backward()
     module.train(was_training)
     for param in module.parameters():
