@@ -67,13 +67,7 @@ from ddp_template.sinks.console import setup_console
 from ddp_template.sinks.metrics import RankLogger, log
 from ddp_template.sinks.share_plot import draw_shares_async
 from ddp_template.switches import build_switches
-from ddp_template.task import (
-    EvalResult,
-    Task,
-    build_task,
-    objective,
-    register_sweep_direction,
-)
+from ddp_template.task import EvalResult, build_task, objective, register_sweep_direction
 
 gc.freeze()  # what was imported lives as long as the process: out of every later pass
 gc.enable()
@@ -86,7 +80,6 @@ if __name__ != "__mp_main__":  # a forked rank or loader worker re-runs this fil
 
 class Built(NamedTuple):
     kind: DataKind  # the training data's kind: map-style, or as its factory chose (data.kind)
-    task: Task  # what is learned and how it is scored
     trainer: Trainer
     splits: Splits
     evaluation: Evaluation
@@ -153,7 +146,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         task=task,
     )
     selection = build_selection(cfg.selection, task)
-    return Built(kind, task, trainer, splits, evaluation, selection, switches)
+    return Built(kind, trainer, splits, evaluation, selection, switches)
 
 
 def checkpointer(
@@ -340,7 +333,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         result = fit(cfg, built, state, ckpt, logger)
         logger.finish_run(result, built.splits, state.step, picture)
         exit_code = 0
-        name, _ = objective(built.task, cfg.selection.monitor, cfg.selection.mode)
+        name, _ = objective(built.trainer.task, cfg.selection.monitor, cfg.selection.mode)
         return built.evaluation.latest().values[name]
     except ConfigError as exc:  # one sentence, no traceback: the message says the fix
         log.error("%s", exc)

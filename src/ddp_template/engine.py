@@ -95,7 +95,7 @@ class Trainer:
     schedule: EpochSteps | None = None  # which micro-batches make each optimizer step
     keep_indices: bool = False
     task: Task  # what is learned: the loss of a micro-batch (ddp_template.task)
-    feed: Feed = field(default_factory=lambda: PlannedFeed())  # the data kind's (data.kind)
+    feed: Feed = field(default_factory=PlannedFeed)  # the data kind's (data.kind)
     settled: bool = False  # this launch's DDP buckets rebuilt (parallel.settle_buckets)
 
     @property
@@ -233,9 +233,9 @@ def train_one_epoch(
         for (x, y, idx, *worker), weight, last in batches:  # a stream's batches name their worker
             stats.data_wait_s += time.perf_counter() - waited
             x, y = to_device(x, tr.info.device), to_device(y, tr.info.device)
-            if not tr.settled and tr.ddp is not None:
-                settle_buckets(tr.ddp, x)  # this launch's first step on DDP's rebuilt buckets
-            tr.settled = True
+            if not tr.settled:  # this launch's first step on DDP's rebuilt buckets
+                settle_buckets(tr.ddp, x)
+                tr.settled = True
             loss = _forward_backward(tr, x, y, weight, sync=last)
             stats.tally.add(idx.numpy(), *worker)
             loss_acc += loss * len(idx)

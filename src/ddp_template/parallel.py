@@ -40,10 +40,12 @@ def build_ddp(cfg: DDPConfig, module: nn.Module, info: DistInfo) -> nn.Module:
     )
 
 
-def settle_buckets(ddp: DDP, x: Any) -> None:
+def settle_buckets(ddp: DDP | None, x: Any) -> None:
     """One zero-loss backward of the input ``x`` before a launch's first step, so that every
     launch, fresh or resumed, trains from its first step on the buckets DDP rebuilds after a
-    first backward."""
+    first backward (nothing to do without DDP)."""
+    if ddp is None:
+        return
     # DDP first lays its buckets out in parameter order, then, after the first backward,
     # rebuilds them in the order the gradients became ready. With three or more ranks the
     # position of a gradient in its bucket decides the order the ranks' values are summed in,

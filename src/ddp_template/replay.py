@@ -154,12 +154,8 @@ def _pieces(run: Run, segments: list[dict[str, Any]]) -> list[Piece]:
             sampler.set_epoch(epoch)
             if prior:
                 sampler.continue_epoch(epoch, prior)
-            schedule = EpochSteps.of_run(
-                cfg,
-                length=sampler.epoch_length,
-                rank_lengths=sampler.rank_lengths,
-                steps_before=sum(p["steps"] for p in prior),
-            )
+            steps_before = sum(p["steps"] for p in prior)
+            schedule = EpochSteps.of_sampler(cfg, sampler, steps_before=steps_before)
             first_k = schedule.steps_done(position)
             steps = schedule.steps_per_epoch - first_k
             steps = steps if end is None else min(steps, end - step)

@@ -75,6 +75,16 @@ class EpochSteps:
             accumulate=cfg.optim.accumulate,
         )
 
+    @classmethod
+    def of_sampler(cls, cfg: Any, sampler: Any, *, steps_before: int = 0) -> EpochSteps:
+        """:meth:`of_run` for ``sampler``'s current epoch (its lengths)."""
+        return cls.of_run(
+            cfg,
+            length=sampler.epoch_length,
+            rank_lengths=sampler.rank_lengths,
+            steps_before=steps_before,
+        )
+
     @property
     def micro_batches(self) -> int:
         """The DataLoader's length: ceil(L / B), or floor (of the shortest list) with

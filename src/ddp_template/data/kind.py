@@ -126,12 +126,7 @@ class Planned:
         return build_train_loader(dataset, sampler, cfg, seed=seed, drop_last=drop_last, info=info)
 
     def steps(self, cfg: Config, sampler: Any, *, steps_before: int = 0) -> EpochSteps:
-        return EpochSteps.of_run(
-            cfg,
-            length=sampler.epoch_length,
-            rank_lengths=sampler.rank_lengths,
-            steps_before=steps_before,
-        )
+        return EpochSteps.of_sampler(cfg, sampler, steps_before=steps_before)
 
     def feed(self, cfg: Config, info: DistInfo, switches: dict[str, Any]) -> Feed:
         return PlannedFeed()

@@ -8,6 +8,8 @@ training data (``data.kind``) build their own sampler and loader from the same p
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_template.config.schema import LoaderConfig, SamplerConfig
@@ -57,14 +59,24 @@ def build_train_loader(
     info: DistInfo,
 ) -> DataLoader:
     """The ``loader`` group's training loader; ``drop_last`` is ``sampler.drop_last_batch``."""
-    source = BatchFetch(dataset)
+    return training_loader(
+        BatchFetch(dataset), cfg, seed=seed, drop_last=drop_last, info=info, sampler=sampler
+    )
+
+
+def training_loader(
+    source: Dataset, cfg: LoaderConfig, *, seed: int, drop_last: bool, info: DistInfo, **given: Any
+) -> DataLoader:
+    """A training DataLoader over ``source`` (every kind's): the ``loader`` group's batch size
+    and workers, seeded per rank; ``given`` adds or replaces DataLoader arguments (a sampler, a
+    collate, no persistent workers)."""
+    kwargs = {**loader_kwargs(cfg, info.device, source), **given}
     return DataLoader(
         source,
         batch_size=cfg.batch_size,
         drop_last=drop_last,
         generator=seeded_generator(seed, info.rank),
-        sampler=sampler,
-        **loader_kwargs(cfg, info.device, source),
+        **kwargs,
     )
 
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddp_template.config.schema import Config, LoaderConfig, SamplerConfig
 from ddp_template.data.contract import Splits, collate
-from ddp_template.data.workers import loader_kwargs, seeded_generator
+from ddp_template.data.loader import training_loader
 from ddp_template.distributed import DistInfo
 from ddp_template.engine import EpochStats, Feed, Trainer, TrainState
 from ddp_template.errors import ConfigError
@@ -76,24 +76,19 @@ class Streamed:
         info: DistInfo,
     ) -> DataLoader:
         source = Tagged(dataset, key=2)  # (x, y, key) items, tagged by the worker reading them
-        kwargs = loader_kwargs(cfg, info.device, source)
-        # Fresh workers each epoch: only they see the epoch the stream was given (set_epoch).
-        kwargs.update(collate_fn=TagCollate(collate), persistent_workers=False)
-        return DataLoader(
+        return training_loader(
             source,
-            batch_size=cfg.batch_size,
+            cfg,
+            seed=seed,
             drop_last=drop_last,
-            generator=seeded_generator(seed, info.rank),
-            **kwargs,
+            info=info,
+            collate_fn=TagCollate(collate),
+            # Fresh workers each epoch: only they see the epoch the stream was given (set_epoch).
+            persistent_workers=False,
         )
 
     def steps(self, cfg: Config, sampler: Any, *, steps_before: int = 0) -> StreamSteps:
-        return StreamSteps.of_run(
-            cfg,
-            length=sampler.epoch_length,
-            rank_lengths=sampler.rank_lengths,
-            steps_before=steps_before,
-        )
+        return StreamSteps.of_sampler(cfg, sampler, steps_before=steps_before)
 
     def feed(self, cfg: Config, info: DistInfo, switches: dict[str, Any]) -> Feed:
         """All ranks stop at the first that runs out (uneven=stop), or each trains on all of

@@ -15,8 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddp_template.config.schema import LoaderConfig, SamplerConfig
 from ddp_template.data.kind import Planned
-from ddp_template.data.loader import check_world
-from ddp_template.data.workers import loader_kwargs, seeded_generator
+from ddp_template.data.loader import check_world, training_loader
 from ddp_template.distributed import DistInfo
 from ddp_template.webdataset.plan import PlanSampler, ShardOrder
 from ddp_template.webdataset.reader import PlanReader, sharded_source
@@ -69,10 +68,4 @@ class Sharded(Planned):
             return super().loader(dataset, sampler, cfg, seed=seed, drop_last=drop_last, info=info)
         samples, augment = sharded_source(dataset)
         source = PlanReader(samples, sampler, augment=augment)  # the workers read the plan
-        return DataLoader(
-            source,
-            batch_size=cfg.batch_size,
-            drop_last=drop_last,
-            generator=seeded_generator(seed, info.rank),
-            **loader_kwargs(cfg, info.device, source),
-        )
+        return training_loader(source, cfg, seed=seed, drop_last=drop_last, info=info)
