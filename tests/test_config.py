@@ -35,12 +35,17 @@ GROUPS = {
     ],
     "optim": ["sgd", "adamw"],
     "logger": ["wandb", "none"],
-    "task": ["classification", "segmentation", "regression"],
+    "task": ["classification", "segmentation", "regression", "lm"],
 }
 
 
-# Options of an optional data kind: composed by the tests in the kind's own folder.
-KIND_OPTIONS = {("data", "webdataset"): "tests/webdataset"}
+# Options of an optional folder (a data kind, the GPT): composed by the tests in its own folder.
+KIND_OPTIONS = {
+    ("data", "webdataset"): "tests/webdataset",
+    ("data", "tokens"): "tests/tokens",
+    ("data", "corpus"): "tests/tokens",
+    ("model", "gpt"): "tests/lm",
+}
 
 
 def test_every_group_folder_is_listed() -> None:

@@ -232,9 +232,14 @@ def _one_step(cfg: Any, batch: int = 4) -> torch.Tensor:
 # --- experiment presets and the debug group ----------------------------------------------
 
 
+# Presets of an optional folder: composed and stepped by the tests in its own folder.
+FOLDER_EXPERIMENTS = {"lm_bytes": "tests/lm"}
+
+
 def test_every_experiment_is_listed() -> None:
     on_disk = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
-    assert on_disk == sorted(EXPERIMENTS)
+    assert on_disk == sorted([*EXPERIMENTS, *FOLDER_EXPERIMENTS])
+    assert all((ROOT / folder).is_dir() for folder in FOLDER_EXPERIMENTS.values())
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

@@ -4,7 +4,8 @@ Every module of ``src/ddp_template`` (and ``train.py``) is parsed with ``ast``, 
 its imports of the package, at module level and inside functions, must be exactly what the
 "may import" column of its row lists (in italics: only inside a function), every module has a
 row and every row a module. Then the layering rules themselves: the core never imports an
-optional data kind (``webdataset/``, ``streams/``) by name, no module imports a switch or
+optional folder (``webdataset/``, ``streams/``, ``tokens/``, ``gpt/``) by name, no module imports a
+switch or
 ``train.py``, the modules named by string exist, and the import graph has no cycle.
 """
 
@@ -18,10 +19,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "src" / "ddp_template"
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
-# Data kinds a forker may delete, folder and all: the template's two, and any folder with a kind
-# of its own (data/kind.py is the seam itself, and map-style data's kind).
+# Folders a forker may delete, folder and all: the data kinds (any folder with a kind of its own;
+# data/kind.py is the seam itself, and map-style data's kind) and the GPT (model=gpt).
 KINDS = {p.parent.name for p in PKG.glob("*/kind.py")} - {"data"}
-OPTIONAL = frozenset({"webdataset", "streams", *KINDS})
+OPTIONAL = frozenset({"webdataset", "streams", "tokens", "gpt", *KINDS})
 TRAIN = "train"  # train.py's name in the map (it lives beside src/, not in the package)
 CELL = re.compile(r"(?<!\\)\|")  # a table's cell border (``\|`` is a pipe inside a cell)
 NAME = re.compile(r"(\*?)`([^`]+)`(\*?)")  # `module`, or *`module`*: only inside a function
@@ -167,8 +168,8 @@ def test_the_may_import_column_is_what_each_module_imports() -> None:
 
 
 def test_the_core_never_imports_an_optional_kind() -> None:
-    """A data kind is chosen by its factory (``Splits(kind=...)``), so deleting
-    ``webdataset/`` or ``streams/`` leaves every other module importable."""
+    """A data kind is chosen by its factory (``Splits(kind=...)``) and a model by its YAML, so
+    deleting an optional folder leaves every other module importable."""
     offenders = [
         f"{module} imports {target}"
         for module, targets in real_imports().items()

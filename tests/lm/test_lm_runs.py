@@ -44,6 +44,7 @@ from ddp_template.data.splits import build_splits
 from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
 from ddp_template.evaluation import evaluate
 from ddp_template.models import build_model
+from ddp_template.optim import build_optimizer
 from ddp_template.replay import load_run, step_rows
 from ddp_template.task import build_task
 from ddp_template.tasks.lm import LanguageModel
@@ -98,6 +99,32 @@ def test_the_tasks_sums_give_the_per_token_loss_perplexity_and_bits_per_byte() -
     with pytest.raises(ConfigError, match=r"task=lm needs the data's vocabulary") as err:
         LanguageModel().setup(DataInfo(num_classes=10), CPU)
     assert "\n" not in str(err.value)
+
+
+def test_the_lm_bytes_preset_composes_and_steps(tmp_path: Path) -> None:
+    """experiment=lm_bytes: the corpus written on first use under paths.data_root (the same
+    bytes a second time: no rewrite), the GPT told the data's vocabulary and block size, and
+    one AdamW step on the task's loss."""
+    cfg = compose_conf("experiment=lm_bytes", f"paths.data_root={tmp_path}", "data.size=5000")
+    assert (cfg.dist.nproc, cfg.sampler.mode, cfg.optim.name) == (2, "exact", "adamw")
+    splits = build_splits(cfg.data)
+    written = tmp_path / "corpus-5000-0"
+    assert sorted(p.name for p in written.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    mtime = (written / "train.bin").stat().st_mtime_ns
+    assert len(build_splits(cfg.data).train) == len(splits.train) == (4500 - 129) // 128 + 1
+    assert (written / "train.bin").stat().st_mtime_ns == mtime
+    model = build_model(cfg.model, splits.info)
+    assert model.lm_head.weight.shape == (256, 128)  # vocab_size x n_embd
+    task = build_task(cfg.task)
+    task.setup(splits.info, CPU)
+    optimizer = build_optimizer(cfg.optim, model)
+    x, y, _ = splits.train.get_batch([0, 5, 9])
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = task.loss(model(x), y, "mean")
+    loss.backward()
+    optimizer.step()
+    assert math.isfinite(loss.item()) and loss.item() > math.log(256) - 1.0  # untrained: ~uniform
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
 
 
 # ------------------------------------------------------------------------- real gloo runs
