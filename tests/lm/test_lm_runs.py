@@ -162,6 +162,10 @@ def test_every_epoch_reads_every_window_once_and_evaluates_exactly(lm) -> None:
     assert "rank 0: 422 samples, 0 padded" in log and "rank 1: 421 samples, 0 padded" in log
     assert "drops: train.bin[26977:27000] (23 tokens after the last whole window)" in log
     assert f"{WINDOWS} windows x 32 = {WINDOWS * 32} target tokens" in log
+    rows = step_rows(load_run(run_dir), 60)  # epoch 1's 7th step: replay names the windows
+    assert [len(r["indices"]) for r in rows] == [8, 8]
+    for r in rows:
+        assert r["keys"] == [f"train.bin[{32 * i}:{32 * i + 33}]" for i in r["indices"]]
     (wb,) = [r for r in find_runs(run_dir) if r.path.is_relative_to(run_dir / "rank0")]
     paths = [row["shards/report.path"] for row in wb.history if "shards/report.path" in row]
     table = json.loads((wb.path.parent / "files" / paths[-1]).read_text())

@@ -54,7 +54,7 @@ def text(size: int, seed: int = 0) -> str:
 
 def corpus(
     path: str,
-    size: int = 2_000_000,
+    size: int = 1_000_000,
     seed: int = 0,
     test_fraction: float = 0.1,
     block_size: int = 128,
