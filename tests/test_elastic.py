@@ -146,11 +146,11 @@ def test_a_checkpoint_from_before_elastic_resume_is_refused_at_another_size_nami
 
 
 # ----------------------------------------------------------------------------- digits, 2 → 1, 3
-def _epoch_zero(run_dir: Path) -> Counter:
-    """Every index replay lists for epoch 0's steps, counted."""
+def replayed_epoch(run_dir: Path, epoch: int = 0) -> Counter:
+    """Every index replay lists for the epoch's steps, counted."""
     replayed = load_run(run_dir)
     seen: Counter = Counter()
-    for piece in (p for p in replayed.pieces if p.epoch == 0):
+    for piece in (p for p in replayed.pieces if p.epoch == epoch):
         for step in range(piece.first_step, piece.first_step + piece.steps):
             for row in step_rows(replayed, step):
                 seen.update(row["indices"])
@@ -205,7 +205,7 @@ def test_resumed_at_one_rank_with_the_global_batch_kept(interrupted, tmp_path: P
     epoch0 = ends[0][1]
     assert (epoch0["shards/verdict_ok"], epoch0["shards/coverage"]) == (1, 1.0)
     assert epoch0["shards/total_samples"] == N_DIGITS
-    seen = _epoch_zero(run_dir)
+    seen = replayed_epoch(run_dir)
     assert len(seen) == N_DIGITS and set(seen.values()) == {1}  # 1 rank: the rest needs no pad
     log = (run_dir / "train.log").read_text()
     assert "before the resize, rank 1 of 2: 160 samples" in log
@@ -226,7 +226,7 @@ def test_resumed_at_three_ranks_scaling_the_global_batch(interrupted, tmp_path: 
     assert summary(run_dir)["eval_accuracy"] >= 0.95
     epoch0 = _epoch_ends(run_dir)[0][1]
     assert (epoch0["shards/verdict_ok"], epoch0["shards/coverage"]) == (1, 1.0)
-    seen = _epoch_zero(run_dir)
+    seen = replayed_epoch(run_dir)
     assert len(seen) == N_DIGITS and sorted(Counter(seen.values()).items()) == [
         (1, N_DIGITS - 1),
         (2, 1),
@@ -281,7 +281,7 @@ def test_ten_million_samples_resume_at_three_ranks_in_constant_memory(tmp_path: 
         assert "world size 2 → 3 at step 3" in (run_dir / "train.log").read_text()
         epoch0 = _epoch_ends(run_dir)[0][1]
         assert epoch0["shards/verdict_ok"] == 1 and epoch0["shards/total_samples"] == 8 * 48
-        seen = _epoch_zero(run_dir)
+        seen = replayed_epoch(run_dir)
         assert len(seen) == 8 * 48 and set(seen.values()) == {1}
         big = _peak_rss_mib(run_dir, world=3)
         print(f"{sampler}: peak RSS at N=1e4: {small:.0f} MiB, at N=1e7: {big:.0f} MiB")
@@ -327,7 +327,7 @@ def _every_epoch_ok(run_dir: Path, epochs: int) -> None:
     assert all(r["shards/verdict_ok"] == 1 for r in reports), reports
     whole = [r for r in reports if r["shards/coverage"] == 1.0]
     assert [r["shards/total_samples"] for r in whole] == [N_DIGITS] * epochs, reports
-    seen = _epoch_zero(run_dir)
+    seen = replayed_epoch(run_dir)
     assert len(seen) == N_DIGITS and set(seen.values()) == {1}
 
 

@@ -17,7 +17,6 @@ import math
 import shutil
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +34,7 @@ from helpers import (
     summary,
     train_cmd,
 )
+from test_elastic import replayed_epoch
 from test_resume import assert_identical
 from torch.utils.data import DataLoader
 from wandb_reader import find_runs
@@ -241,12 +241,7 @@ def test_rank_killed_mid_epoch_resumes_bit_identical_and_at_three_ranks_reads_ea
     launch(tmp_path, data, "three", "dist.nproc=3", "elastic.global_batch=scale")
     run_dir = tmp_path / "outputs" / "three"
     assert [ok for ok, _ in report_rows(run_dir)] == [1, 1]
-    replayed = load_run(run_dir)
-    seen: Counter = Counter()
-    for piece in (p for p in replayed.pieces if p.epoch == 1):
-        for step in range(piece.first_step, piece.first_step + piece.steps):
-            for row in step_rows(replayed, step):
-                seen.update(row["indices"])
+    seen = replayed_epoch(run_dir, epoch=1)
     assert len(seen) == WINDOWS and set(seen.values()) == {1}
 
 
