@@ -264,3 +264,21 @@ def test_a_broken_token_file_is_refused_without_touching_the_run(lm, tmp_path: P
     assert said and "not a whole number of uint16 tokens" in said[0], proc.stdout[-2000:]
     assert str(broken / "train.bin") in said[0]
     assert all(p.read_bytes() == b for p, b in before.items())
+
+
+def test_a_token_outside_the_vocabulary_stops_the_run_naming_its_window(lm, tmp_path: Path):
+    """Id 300 written at offset 5000 of a byte-level file: the rank whose loader worker reads
+    window 156 stops the run with exit 2 and one sentence naming the file, the window and the
+    fix (the worker's traceback taken back out of it)."""
+    _, data = lm
+    bad = tmp_path / "bad"
+    shutil.copytree(data, bad)
+    ids = np.fromfile(bad / "train.bin", dtype="<u2")
+    ids[5000] = 300
+    ids.tofile(bad / "train.bin")
+    proc = launch(tmp_path, bad, "bad", "dist.nproc=2", "loader.num_workers=1", check=False)
+    assert proc.returncode == EXIT_CONFIG_ERROR, proc.stdout[-3000:]
+    said = [line for line in proc.stdout.splitlines() if "ERROR" in line and "token id" in line]
+    assert said and "token id 300 at offset 5000 (window 156, train.bin[4992:5025])" in said[0]
+    assert str(bad / "train.bin") in said[0] and "rewrite it" in said[0]
+    assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
