@@ -82,3 +82,25 @@ def invocation() -> str:
 
 def run_tag(variant: str, round_: int) -> str:
     return f"{variant}-{round_}-{time.strftime('%H%M%S')}"
+
+
+def emit(result: dict, out: str | None, rank: int) -> None:
+    """A bare loop's rank result: one JSON line, and ``out`` (``{rank}`` replaced) if given."""
+    print(json.dumps(result))
+    if out:
+        with open(out.replace("{rank}", str(rank)), "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def preamble(command: str, nproc: int, repeats: int, loads: list[float], rotated: str) -> list[str]:
+    """A report's first lines: the command, the template's git state, ranks, repeats, load."""
+    mean = sum(loads) / len(loads)
+    return [
+        f"Command: `{command}`",
+        "",
+        f"Template at {git_state()}.",
+        "",
+        f"{nproc} ranks, torchrun --standalone, gloo on CPU ({os.cpu_count()} cores), "
+        f"{repeats} repeats alternating{rotated}; 1-min load average during the runs: "
+        f"{min(loads):.2f}–{max(loads):.2f} (mean {mean:.2f}).",
+    ]

@@ -21,7 +21,6 @@ the epoch's iterator to the end of its last step, data wait included) and peak R
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import resource
@@ -40,6 +39,7 @@ since_start = _since_start()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _launch import emit  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
@@ -146,10 +146,7 @@ def main() -> None:
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     dist.destroy_process_group()
-    print(json.dumps(result))
-    if args.out:
-        with open(args.out.replace("{rank}", str(rank)), "w") as f:
-            json.dump(result, f, indent=1)
+    emit(result, args.out, rank)
 
 
 if __name__ == "__main__":

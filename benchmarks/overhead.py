@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 from pathlib import Path
 
-from _launch import git_state, invocation, launch, run_tag
+from _launch import invocation, launch, preamble, run_tag
 
 MARKS = [
     "script",
@@ -191,13 +190,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, command: st
     }
     loads = [s["load"] for runs in results.values() for s in runs]
     out = [
-        f"Command: `{command}`",
-        "",
-        f"Template at {git_state()}.",
-        "",
-        f"{args.nproc} ranks, torchrun --standalone, gloo on CPU ({os.cpu_count()} cores), "
-        f"{args.repeats} repeats alternating; 1-min load average during the runs: "
-        f"{min(loads):.2f}–{max(loads):.2f} (mean {statistics.mean(loads):.2f}).",
+        *preamble(command, args.nproc, args.repeats, loads, ""),
         "",
         "Values: mean over repeats (min–max) or ± std. Ratios: template mean ÷ bare mean, "
         "then (min–max) of the ratios within each repeat (neighbours in time).",
