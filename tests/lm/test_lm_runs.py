@@ -128,6 +128,11 @@ def test_the_lm_bytes_preset_composes_and_steps(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------- real gloo runs
+def launch(out: Path, data: Path, run_id: str, *overrides: str, check: bool = True):
+    cmd = train_cmd(out, *lm_overrides(data), "epochs=2", "checkpoint.every_steps=1", *overrides)
+    return run(cmd, env=run_env(RUN_ID=run_id), check=check)
+
+
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The token files, and a 2-rank run of 2 epochs checkpointing every step (run id two),
@@ -135,14 +140,8 @@ def lm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     out = tmp_path_factory.mktemp("lm")
     data = out / "corpus"
     write_text(text(30_000), data, 0.1)
-    cmd = train_cmd(out, *lm_overrides(data), "dist.nproc=2", "epochs=2", "logger=wandb")
-    run([*cmd, "checkpoint.every_steps=1"], env=run_env(RUN_ID="two"))
+    launch(out, data, "two", "dist.nproc=2", "logger=wandb")
     return out, data
-
-
-def launch(out: Path, data: Path, run_id: str, *overrides: str, check: bool = True):
-    cmd = train_cmd(out, *lm_overrides(data), "epochs=2", "checkpoint.every_steps=1", *overrides)
-    return run(cmd, env=run_env(RUN_ID=run_id), check=check)
 
 
 def report_rows(run_dir: Path) -> list[tuple[int, int]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from ddp_template.data.contract import Splits
 from ddp_template.tokens.file import META
 from ddp_template.tokens.splits import tokens
+from ddp_template.tokens.writer import write_text
 
 
 def _words(line: str, sep: str = " ") -> tuple[str, ...]:
@@ -63,8 +64,6 @@ def corpus(
     """The ``data=corpus`` factory: the generated text as byte-level token files in ``path``
     (written on first use: every rank writes the same bytes to its own temporary directory and
     the first rename wins), read as ``data=tokens`` reads them."""
-    from ddp_template.tokens.writer import write_text
-
     directory = Path(path)
     if not (directory / META).is_file():
         tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
