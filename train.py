@@ -31,6 +31,7 @@ from ddp_template.checkpoint_parts import Ledger, Progress, SamplerPosition
 from ddp_template.config import boundary
 from ddp_template.config.schema import Config, register_configs
 from ddp_template.data.contract import Splits, first_input
+from ddp_template.data.identity import DataIdentity, identify
 from ddp_template.data.kind import DataKind, kind_of
 from ddp_template.data.loader import build_eval_loader
 from ddp_template.data.splits import build_splits
@@ -48,7 +49,7 @@ from ddp_template.engine import (
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 from ddp_template.evaluation import Evaluation, build_evaluation
 from ddp_template.finetune import init_weights
-from ddp_template.ledger.verify import epoch_metrics
+from ddp_template.ledger.verify import epoch_metrics, resumed_prefix
 from ddp_template.models import (
     build_model,
     check_batch_statistics,
@@ -61,6 +62,7 @@ from ddp_template.parallel import build_ddp, compile_model
 from ddp_template.preemption import Preemption
 from ddp_template.process import exit_records, quick_exit
 from ddp_template.profiling import StepProfiler
+from ddp_template.provenance import Chain, Link, build_chain
 from ddp_template.rng import RngState
 from ddp_template.selection import Selection, build_selection
 from ddp_template.sinks.console import setup_console
@@ -80,6 +82,7 @@ if __name__ != "__mp_main__":  # a forked rank or loader worker re-runs this fil
 
 class Built(NamedTuple):
     kind: DataKind  # the training data's kind: map-style, or as its factory chose (data.kind)
+    data: DataIdentity  # its length and content fingerprint, for the provenance chain
     trainer: Trainer
     splits: Splits
     evaluation: Evaluation
@@ -93,6 +96,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     splits = build_splits(cfg.data)
     kind = kind_of(splits)  # map-style, or the kind its factory chose (tar shards, a stream)
     kind.check(cfg, splits)  # the run's options this kind cannot honour
+    data = identify(splits)  # before augmentation wraps it
     splits = apply_transforms(splits, cfg.transforms, cfg.seed)
     sampler = kind.sampler(splits.train, cfg.sampler, seed=cfg.seed, info=info, loader=cfg.loader)
     loader = kind.loader(
@@ -146,13 +150,14 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         task=task,
     )
     selection = build_selection(cfg.selection, task)
-    return Built(kind, trainer, splits, evaluation, selection, switches)
+    return Built(kind, data, trainer, splits, evaluation, selection, switches)
 
 
 def checkpointer(
-    cfg: Config, built: Built, state: TrainState, run_dir: Path, yaml: str
+    cfg: Config, built: Built, state: TrainState, chain: Chain, run_dir: Path, yaml: str
 ) -> Checkpointer:
-    """The checkpoint's named parts: restored in this order, each refusing its own misfit."""
+    """The checkpoint's named parts: restored in this order, each refusing its own misfit;
+    the chain sealed over them."""
     tr = built.trainer
     parts = {
         "progress": Progress(state=state, trainer=tr),
@@ -174,6 +179,7 @@ def checkpointer(
         },
         config_yaml=yaml,
         info=tr.info,
+        seal=chain.seal,
     )
 
 
@@ -181,28 +187,58 @@ def resume(
     cfg: Config,
     built: Built,
     ckpt: Checkpointer,
+    chain: Chain,
     state: TrainState,
     found: Found | None,
     resize: Resize | None,
-) -> None:
+) -> str | None:
     """Continue from the checkpoint found (resume=auto: the newest valid one; or a given
-    file), at its world size or, re-dealt, at this one; else a fresh run, maybe from another
-    run's weights (finetune.init_from)."""
+    file), at its world size or, re-dealt, at this one, once its chain proves it continues
+    this run; else a fresh run, maybe from another run's weights (finetune.init_from).
+    Returns the resume's line (which run and link, what was skipped or repeated)."""
+    tr, info = built.trainer, built.trainer.info
+    if not found:
+        if cfg.finetune.init_from is not None:
+            report = init_weights(cfg.finetune, tr.module)
+            log.info("initialised from %s: %s", cfg.finetune.init_from, describe_load(report))
+        return None
+    link = chain.check(found.path, found.payload, info.world_size)  # before any part moves
+    ckpt.restore(found, resized=resize is not None)
+    log.info("resumed from %s at epoch %d, step %d", found.path, state.epoch, state.step)
+    if resize is not None:
+        log.info("%s", resize.describe())
+        if resize.global_batch == "scale":
+            rescale_horizon(cfg, built, state)
+    return continuity(chain, link, tr, state)
+
+
+def rescale_horizon(cfg: Config, built: Built, state: TrainState) -> None:
+    """The LR schedule over the steps left at this world size (elastic.global_batch=scale)."""
     tr = built.trainer
-    if found:
-        ckpt.restore(found, resized=resize is not None)
-        log.info("resumed from %s at epoch %d, step %d", found.path, state.epoch, state.step)
-    elif cfg.finetune.init_from is not None:
-        report = init_weights(cfg.finetune, tr.module)
-        log.info("initialised from %s: %s", cfg.finetune.init_from, describe_load(report))
-    if resize is None:
-        return
-    log.info("%s", resize.describe())
-    if resize.global_batch == "scale":  # the LR schedule over the steps left at this size
-        rest = built.kind.steps(cfg, tr.sampler, steps_before=state.steps_before)
-        left = rest.steps_per_epoch - rest.steps_done(state.position)
-        later = max(0, cfg.epochs - state.epoch - 1) * tr.schedule.steps_per_epoch
-        set_horizon(tr.scheduler, state.step + left + later)
+    rest = built.kind.steps(cfg, tr.sampler, steps_before=state.steps_before)
+    left = rest.steps_per_epoch - rest.steps_done(state.position)
+    later = max(0, cfg.epochs - state.epoch - 1) * tr.schedule.steps_per_epoch
+    set_horizon(tr.scheduler, state.step + left + later)
+
+
+def continuity(chain: Chain, link: Link | None, tr: Trainer, state: TrainState) -> str:
+    """The epoch read before the resume against what the restored sampler puts there, on every
+    rank (a collective): the samples skipped and repeated, or a refusal."""
+    mine = (0, 0, [])
+    if hasattr(tr.sampler, "index_at"):  # a planned sampler (a stream resumes at epoch ends)
+        mine = resumed_prefix(
+            tr.sampler, state.position, state.carried, state.prior, rank=tr.info.rank
+        )
+    rows = distributed.gather_objects(mine, tr.info)
+    wrong = [w for _, _, ws in rows for w in ws]
+    if wrong:
+        raise ConfigError(
+            f"resume at step {state.step}: {wrong[0]}, so it would skip and repeat samples; "
+            f"resume with the template version and config that wrote the checkpoint, or start "
+            f"fresh with resume=never."
+        )
+    skipped, repeated = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    return chain.describe(link, state.step, skipped, repeated)
 
 
 def fit(
@@ -314,11 +350,14 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         logger = RankLogger(cfg=cfg.logger, run=run, info=info, config=config)  # W&B starts
         built = build(cfg, info)  # ...while this builds
         state = TrainState()
-        ckpt = checkpointer(cfg, built, state, run.run_dir, OmegaConf.to_yaml(config))
-        resume(cfg, built, ckpt, state, found, resize)
+        chain = build_chain(cfg, run=run.run_id, data=built.data)
+        ckpt = checkpointer(cfg, built, state, chain, run.run_dir, OmegaConf.to_yaml(config))
+        line = resume(cfg, built, ckpt, chain, state, found, resize)
         if info.is_main:
             record_segment(run.run_dir, cfg=cfg, state=state, world_size=info.world_size)
         logger.ready()  # every rank's W&B run exists before anyone logs
+        if line:
+            logger.log_resume(line, state.step)
         if resize:
             logger.log({f"elastic/{k}": v for k, v in resize.record().items()}, state.step)
         logger.log_sizes(built.splits, state.step)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -29,7 +30,7 @@ from ddp_template.errors import ConfigError
 
 log = logging.getLogger("ddp_template")
 FORMAT_VERSION = 3
-RECORD = ("format", "config", "world_size", "ranks")  # the file's own keys besides the parts
+RECORD = ("format", "config", "world_size", "ranks", "chain")  # the file's keys besides parts
 
 
 class Stateful(Protocol):
@@ -111,16 +112,21 @@ class Checkpointer:
     rank_parts: dict[str, Stateful] = field(default_factory=dict)  # each rank's, gathered
     config_yaml: str  # the resolved config, stored for the record
     info: DistInfo
+    # The checkpoint's provenance chain, made from the rest of its payload (provenance.Chain).
+    seal: Callable[[dict[str, Any]], Any] | None = None
 
     def payload(self) -> dict[str, Any]:
         mine = {name: part.state_dict() for name, part in self.rank_parts.items()}
         ranks = gather_objects(mine, self.info)
-        return {name: part.state_dict() for name, part in self.parts.items()} | {
+        payload = {name: part.state_dict() for name, part in self.parts.items()} | {
             "format": FORMAT_VERSION,
             "config": self.config_yaml,
             "world_size": self.info.world_size,
             "ranks": ranks,
         }
+        if self.seal is not None:
+            payload["chain"] = self.seal(payload)
+        return payload
 
     def restore(self, found: Found, *, resized: bool = False) -> None:
         restore(

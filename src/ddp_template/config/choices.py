@@ -134,6 +134,14 @@ class GlobalBatch(Choice):
     scale = "scale"
 
 
+class Change(Choice):
+    """What ``provenance.allow`` lets a resume change (recorded in the chain as a break)."""
+
+    sampler = "sampler"  # sampler.mode, permutation or seed
+    order = "order"  # a config key that decides the data or its order (data.*, seed, ...)
+    data = "data"  # the data's content fingerprint or length
+
+
 class OnResize(Choice):
     """A checkpoint of another world size: continue at this one, or refuse."""
 

@@ -20,6 +20,7 @@ from omegaconf import MISSING
 from ddp_template.config.choices import (
     AmpMode,
     BackendName,
+    Change,
     EvalSplit,
     FaultScope,
     GlobalBatch,
@@ -201,6 +202,15 @@ class ElasticConfig:
 
 
 @dataclass
+class ProvenanceConfig:
+    """The chain every checkpoint carries (``provenance``): what a resume may change."""
+
+    # The changes a resume accepts, each recorded in the chain as a break: sampler, order
+    # (data.*, seed, sampler.* keys), data (its content). [] refuses every change.
+    allow: list[Change] = field(default_factory=list)
+
+
+@dataclass
 class FaultConfig:
     """Testing aids: crash or signal a rank at a global step. Off by default."""
 
@@ -233,6 +243,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    provenance: ProvenanceConfig = field(default_factory=ProvenanceConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)

@@ -146,6 +146,40 @@ def prior_checks(sampler: Any, prior: list[PriorSegment], *, rank: int) -> list[
     return checks
 
 
+def resumed_prefix(
+    sampler: Any,
+    position: int,
+    carried: SavedLedger | None,
+    prior: list[PriorSegment],
+    *,
+    rank: int,
+) -> tuple[int, int, list[str]]:
+    """What a resume continues from, proved against the sampler: the ledger of the epoch read
+    before it (this rank's up to ``position``; after a resize, the old ranks' prefixes, old rank
+    q checked by rank q mod W) against the positions the sampler defines there. Returns the
+    samples skipped and repeated (count differences) and each read whose count matches but
+    whose fingerprint does not (other samples were read)."""
+    reads = [(sampler, rank, position, carried)] if position else []
+    for i, prefix in enumerate(prior):
+        old = sampler.prefix_sampler(i)
+        for q in range(rank, old.num_replicas, sampler.num_replicas):
+            reads.append((old, q, prefix["position"], prefix["ledgers"][q]))
+    skipped = repeated = 0
+    wrong = []
+    for s, q, pos, ledger in reads:
+        defined = min(pos, s.length_of(q))
+        read = int(ledger["samples"]) if ledger else 0
+        skipped += max(0, defined - read)
+        repeated += max(0, read - defined)
+        fp = int(ledger.get("fingerprint", 0)) if ledger else 0
+        if read == defined and fp != expected_fingerprint(s, q, 0, defined):
+            wrong.append(
+                f"rank {q} of {s.num_replicas} read {read} samples up to position {pos} but not "
+                f"the ones this run's sampler puts there"
+            )
+    return skipped, repeated, wrong
+
+
 def epoch_report(
     sampler: Any, rows: list[RankRow], lists: list[np.ndarray] | None = None
 ) -> EpochReport:

@@ -121,6 +121,16 @@ class RankLogger:
             row = {f"{k}/rank{r}": v for r, m in enumerate(ranks) for k, v in m.items()}
             self._log_wandb({"step": step, "epoch": metrics["epoch"], **row})
 
+    def log_resume(self, line: str, step: int) -> None:
+        """Rank 0: the resume's provenance line on the console, in the JSONL and in the W&B
+        run's summary (``resume``)."""
+        if not self.info.is_main:
+            return
+        log.info("%s", line)
+        self.jsonl.write(json.dumps({"step": step, "resume": line}) + "\n")
+        if self.wandb is not None:
+            self.wandb.summary["resume"] = line
+
     def log_sizes(self, splits: Any, step: int) -> None:
         """Rank 0 records the dataset sizes once, next to its eval metrics."""
         if self.info.is_main:

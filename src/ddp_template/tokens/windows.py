@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ddp_template.data.contract import Batch
+from ddp_template.data.identity import array_fingerprint, file_fingerprint
 from ddp_template.errors import ConfigError
 from ddp_template.tokens.file import TokenFile
 
@@ -66,6 +67,11 @@ class Windows(Dataset):
     def offset(self, i: int) -> int:
         """Window ``i``'s first token."""
         return i * self.cut.stride
+
+    def fingerprint(self) -> str:
+        """The token file's bytes (``data.identity.file_fingerprint``) and the cut."""
+        cut = (self.cut.block_size, self.cut.stride)
+        return array_fingerprint([file_fingerprint(self.file.path), cut])
 
     def key_of(self, i: int) -> str:
         """Window ``i`` as replay names it: the file and its tokens' range."""

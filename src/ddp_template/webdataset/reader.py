@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from ddp_template.data.identity import array_fingerprint
 from ddp_template.webdataset.index import ShardIndex
 from ddp_template.webdataset.plan import DEFAULT_SHUFFLE_BLOCK, PlanSampler
 
@@ -55,6 +56,12 @@ class ShardSamples(Dataset):
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def fingerprint(self) -> str:
+        """The shard index: every sample's key, label and byte ranges, shard by shard."""
+        ix = self.index
+        names = [p.name for p in ix.paths]
+        return array_fingerprint([names, ix.sizes, ix.keys, ix.labels, ix.starts, ix.stops])
 
     def key_of(self, i: int) -> str:
         return self.index.keys[i]
