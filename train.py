@@ -17,6 +17,7 @@ import gc
 gc.disable()  # no GC passes over the millions of objects torch's import allocates
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -68,6 +69,7 @@ from ddp_template.selection import Selection, build_selection
 from ddp_template.sinks.console import setup_console
 from ddp_template.sinks.metrics import RankLogger, log
 from ddp_template.sinks.share_plot import draw_shares_async
+from ddp_template.spike import build_spikes
 from ddp_template.switches import build_switches
 from ddp_template.task import EvalResult, build_task, objective, register_sweep_direction
 
@@ -123,6 +125,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     if cfg.compile:
         trained = compile_model(trained)  # after DDP, as DDP recommends
     optimizer = build_optimizer(cfg.optim, model)
+    amp_mode = str(cfg.amp.mode)
     trainer = Trainer(
         model=trained,
         optimizer=optimizer,
@@ -131,13 +134,14 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         loader=loader,
         sampler=sampler,
         info=info,
-        amp_mode=str(cfg.amp.mode),
+        amp_mode=amp_mode,
         grad_clip=cfg.optim.grad_clip,
         log_every=cfg.log_every,
         schedule=schedule,
         keep_indices=sampler.dataset_size <= cfg.share_report_max_n,
         task=task,
         feed=kind.feed(cfg, info, switches),  # how batches come and the epoch ends
+        spikes=build_spikes(cfg.spike, task, info, amp_mode),  # names a spike's samples
     )
     evaluation = build_evaluation(
         final=str(cfg.eval_split),
@@ -146,7 +150,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         model=model,
         ema=switches.get("ema"),
         info=info,
-        amp_mode=str(cfg.amp.mode),
+        amp_mode=amp_mode,
         task=task,
     )
     selection = build_selection(cfg.selection, task)
@@ -166,6 +170,7 @@ def checkpointer(
         "scheduler": tr.scheduler,
         "scaler": scaler_part(tr.scaler),
         **built.switches,
+        **({"spike": tr.spikes} if tr.spikes is not None else {}),
         "selection": built.selection,
     }
     return Checkpointer(
@@ -300,6 +305,8 @@ def account(
     logger.log_epoch(metrics, step)  # a collective with one W&B run
     report = built.kind.verify(stats, tr, state, start, metrics)  # a collective
     if report is not None:
+        if tr.spikes is not None:  # samples whose update the spike rule skipped, by name
+            report = replace(report, verdict=report.verdict.noted(tr.spikes.notes(epoch)))
         logger.log_share_report(report, epoch, step)
 
 
@@ -311,8 +318,13 @@ def step_hook(
     preempt: Preemption,
     profiler: StepProfiler,
 ) -> StepHook:
-    """After every optimizer step: the switches, the logs, faults, preemption, checkpoints."""
-    switches, rank = list(built.switches.values()), built.trainer.info.rank
+    """After every optimizer step: the switches, the logs (a spike's report), faults,
+    preemption, checkpoints."""
+    switches, rank, spikes = (
+        list(built.switches.values()),
+        built.trainer.info.rank,
+        built.trainer.spikes,
+    )
     # uneven=join: a rank that joined runs this hook for each step it shadows, its optimizer
     # state stale until Join's end, so a stop's checkpoint waits for fit (after Join).
     save_on_stop = cfg.uneven != "join"
@@ -320,6 +332,8 @@ def step_hook(
     def after_step(s: TrainState) -> bool:
         for switch in switches:
             switch.after_step(s)
+        for report in spikes.take() if spikes is not None else ():
+            logger.log_spike(report, s.step, cfg.spike.top)
         logger.step()
         profiler.step()
         fault_injection.maybe_fire(cfg.fault, s.step, rank)

@@ -96,6 +96,7 @@ class Trainer:
     keep_indices: bool = False
     task: Task  # what is learned: the loss of a micro-batch (ddp_template.task)
     feed: Feed = field(default_factory=PlannedFeed)  # the data kind's (data.kind)
+    spikes: Any = None  # spike forensics (spike.Spikes): judges each step before its update
     settled: bool = False  # this launch's DDP buckets rebuilt (parallel.settle_buckets)
 
     @property
@@ -118,6 +119,7 @@ class EpochStats:
     wall_s: float = 0.0
     steps: int = 0  # optimizer steps (tally.batches counts micro-batches)
     stopped: bool = False  # the step hook asked to stop (preemption)
+    spiked: int = 0  # samples read whose update the spike rule skipped (spike.skip)
 
     def as_metrics(self, duplicates: int) -> dict[str, Any]:
         t, compute = self.tally, max(self.wall_s - self.data_wait_s, 0.0)
@@ -125,6 +127,7 @@ class EpochStats:
             "data/samples": t.samples,
             "data/batches": t.batches,
             "data/duplicates": duplicates,
+            "data/spike_skipped": self.spiked,
             "data/first_index": t.first_index,
             "data/last_index": t.last_index,
             "perf/data_wait_s": self.data_wait_s,
@@ -161,7 +164,13 @@ def _forward_backward(
     return loss.detach()
 
 
-def _optimizer_step(tr: Trainer, want_norm: bool) -> torch.Tensor | None:
+def _optimizer_step(tr: Trainer, want_norm: bool, skip: bool = False) -> torch.Tensor | None:
+    """Clip, step, zero the gradients, advance the LR schedule; ``skip`` (the spike rule): the
+    gradients are dropped instead of applied."""
+    if skip:
+        tr.optimizer.zero_grad(set_to_none=True)
+        tr.scheduler.step()
+        return torch.tensor(float("nan")) if want_norm else None
     norm = None
     if tr.grad_clip is not None or want_norm:
         tr.scaler.unscale_(tr.optimizer)  # clip the true gradients, not the scaled ones
@@ -236,15 +245,22 @@ def train_one_epoch(
             if not tr.settled:  # this launch's first step on DDP's rebuilt buckets
                 settle_buckets(tr.ddp, x)
                 tr.settled = True
+            if tr.spikes is not None:  # before the forward: the RNG state it starts from
+                tr.spikes.hold(x, y, idx, tr.module)
             loss = _forward_backward(tr, x, y, weight, sync=last)
             stats.tally.add(idx.numpy(), *worker)
             loss_acc += loss * len(idx)
             interval_n += len(idx)
+            if tr.spikes is not None:
+                tr.spikes.count(loss, len(idx))
             if not last:
                 waited = time.perf_counter()
                 continue
             want_norm = (state.step + 1) % tr.log_every == 0
-            norm = _optimizer_step(tr, want_norm)
+            skip = tr.spikes is not None and tr.spikes.judge(tr.module, state.step + 1, state.epoch)
+            if skip:
+                stats.spiked += tr.spikes.own
+            norm = _optimizer_step(tr, want_norm, skip)
             state.position = tr.schedule.next_boundary(state.position)  # the same on every rank
             state.step += 1
             stats.steps += 1

@@ -7,9 +7,10 @@ the evaluation state as a vector of **sums** the evaluation all-reduces, the met
 from those sums, the direction each metric improves in (what ``selection.monitor`` may name,
 the sweep's direction), and any torchmetrics metrics its YAML lists (``metrics:``), which run
 on the unpadded evaluation shards and sync their own states. The engine and the evaluation know
-none of it. Readers: ``engine`` (``loss``), ``evaluation.evaluate`` (``begin``, ``sums``,
-``update``, ``result``), ``config.boundary`` (``directions``), ``train`` (``setup``, the
-objective), ``run_identity`` (the sweep's direction). A new task is one file and one YAML
+none of it. Readers: ``engine`` (``loss``), ``spike`` (``sample_losses``),
+``evaluation.evaluate`` (``begin``, ``sums``, ``update``, ``result``), ``config.boundary``
+(``directions``), ``train`` (``setup``, the objective), ``run_identity`` (the sweep's
+direction). A new task is one file and one YAML
 (README "Make it yours"); ``tasks/`` holds the shipped ones.
 """
 
@@ -22,6 +23,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from omegaconf import OmegaConf
 from torch import Tensor
+from torch.utils._pytree import tree_map
 
 from ddp_template.data.contract import DataInfo, batch_len
 from ddp_template.errors import ConfigError, instantiate_clean
@@ -85,6 +87,16 @@ class Task:
 
     def loss(self, output: Any, y: Any, reduction: str) -> Tensor:
         raise NotImplementedError
+
+    def sample_losses(self, output: Any, y: Any) -> Tensor:
+        """Each sample's loss (spike forensics, ``replay --losses``): ``loss`` of each sample
+        alone; a task overrides it with one vectorised call where that matters."""
+
+        def alone(i: int) -> tuple[Any, Any]:
+            return tree_map(lambda t: t[i : i + 1] if isinstance(t, Tensor) else t, (output, y))
+
+        one = [self.loss(*alone(i), "sum") for i in range(batch_len(y))]
+        return torch.stack(one) if one else torch.zeros(0)
 
     def sums(self, device: torch.device) -> Tensor:
         """The evaluation's zero state: float64 sums the evaluation all-reduces."""

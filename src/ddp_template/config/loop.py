@@ -1,6 +1,6 @@
 """Schemas of the research-loop groups, each with its own checks: DDP's options, the EMA switch,
-the profiler window (``compile`` is the top-level key), selection (best.pt, early stopping) and
-fine-tuning (``init_from``)."""
+the profiler window (``compile`` is the top-level key), selection (best.pt, early stopping),
+spike forensics and fine-tuning (``init_from``)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,41 @@ class SelectionConfig:
             raise ConfigError(
                 f"selection.patience={self.patience} needs a metric to watch; set "
                 f"selection.monitor=test/accuracy (and selection.mode=max)."
+            )
+
+
+@dataclass
+class SpikeConfig:
+    """Spike forensics (``spike``): a step whose loss over every rank's samples exceeds
+    ``factor`` x the median of the last ``window`` steps' names its samples and their losses."""
+
+    factor: float | None = 10.0  # null: off (no per-step all-reduce of the loss)
+    window: int = 50  # steps whose median loss is the reference
+    after: int = 10  # steps in the window before the rule judges (the first steps are noisy)
+    skip: bool = False  # skip a spiking step's update; its samples are named in the verdict
+    top: int = 5  # samples named on the console (the JSONL and W&B hold every one)
+
+    @property
+    def on(self) -> bool:
+        return self.factor is not None
+
+    def check(self) -> None:
+        if self.factor is not None and not self.factor > 1.0:
+            raise ConfigError(
+                f"spike.factor={self.factor} must be > 1 (a spike is a loss above factor x the "
+                f"running median); e.g. spike.factor=10, or null for no spike forensics."
+            )
+        for key in ("window", "after", "top"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"spike.{key}={getattr(self, key)} must be >= 1; e.g. 10.")
+        if self.after > self.window:
+            raise ConfigError(
+                f"spike.after={self.after} exceeds spike.window={self.window}: the rule would "
+                f"never judge; set spike.after <= spike.window."
+            )
+        if self.skip and self.factor is None:
+            raise ConfigError(
+                "spike.skip=true needs the rule on; set spike.factor (e.g. 10) or drop spike.skip."
             )
 
 

@@ -44,6 +44,7 @@ from ddp_template.config.loop import (
     FinetuneConfig,
     ProfilerConfig,
     SelectionConfig,
+    SpikeConfig,
 )
 from ddp_template.config.options import (
     ArrayConfig,
@@ -270,6 +271,7 @@ class Config:
     uneven: Uneven = Uneven.stop
     transforms: TransformsConfig = field(default_factory=TransformsConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
 

@@ -137,6 +137,9 @@ class Verdict:
 
     problems: tuple[str, ...] = ()
     unchecked: str | None = None
+    # What the data's accounting holds beside ok or not: samples read whose update the spike
+    # rule skipped (spike.skip), by step and index.
+    notes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -145,10 +148,15 @@ class Verdict:
     def plus(self, problems: Sequence[str]) -> Verdict:
         return replace(self, problems=(*self.problems, *problems))
 
+    def noted(self, notes: Sequence[str]) -> Verdict:
+        return replace(self, notes=(*self.notes, *notes))
+
     def __str__(self) -> str:
         if self.problems:
-            return "MISMATCH: " + "; ".join(self.problems)
-        return "ok" if self.unchecked is None else f"UNCHECKED: {self.unchecked}"
+            said = "MISMATCH: " + "; ".join(self.problems)
+        else:
+            said = "ok" if self.unchecked is None else f"UNCHECKED: {self.unchecked}"
+        return said + "".join(f"; {note}" for note in self.notes)
 
 
 @dataclass(frozen=True)

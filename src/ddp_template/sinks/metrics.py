@@ -23,6 +23,7 @@ from ddp_template.ledger.records import EpochReport, PriorLine, RankLine, Worker
 from ddp_template.run_identity import RunInfo
 from ddp_template.sinks.console import report_lines, split_sizes, write_summary
 from ddp_template.sinks.wandb_run import Layout, choose_layout, start_wandb, wandb_id
+from ddp_template.spike import SpikeReport
 
 log = logging.getLogger("ddp_template")
 
@@ -130,6 +131,18 @@ class RankLogger:
         self.jsonl.write(json.dumps({"step": step, "resume": line}) + "\n")
         if self.wandb is not None:
             self.wandb.summary["resume"] = line
+
+    def log_spike(self, report: SpikeReport, step: int, top: int) -> None:
+        """A step the spike rule caught: every rank's own samples to ``rank<r>/spikes.jsonl``;
+        rank 0's console line and W&B's ``spikes/samples`` table (every rank's samples)."""
+        with open(self.rank_dir / "spikes.jsonl", "a") as f:
+            f.write(json.dumps(report.own(self.info.rank)) + "\n")
+        if not self.info.is_main:
+            return
+        log.warning("%s", report.line(top))
+        self.log({"spikes/loss": report.loss, "spikes/median": report.median}, step)
+        rows = [{"step": step, **asdict(s)} for s in report.samples]
+        self.log_table("spikes/samples", rows, step)
 
     def log_sizes(self, splits: Any, step: int) -> None:
         """Rank 0 records the dataset sizes once, next to its eval metrics."""

@@ -7,7 +7,8 @@ for every step the others still run, shadows their collectives in the order they
 1. DDP's join hook: the forward's notify (Join's own all-reduce of how many ranks still have
    data: this mode's per-step agreement), the buffer broadcast, one all-reduce per gradient
    bucket, the joined rank adding zeros;
-2. :class:`StepShadow`'s: the step hook itself, run on the joined rank for each step it shadows
+2. :class:`StepShadow`'s: the spike rule's all-reduce of the step's loss (``spike``), then the
+   step hook itself, run on the joined rank for each step it shadows
    (counted from its own last step, one per DDP forward, hence ``optim.accumulate=1``), so
    whatever the hook issues — the EMA's buffer broadcast, the preemption agreement every
    ``checkpoint.preempt_check_every`` steps (with the joined rank's own signal flag) — meets
@@ -119,6 +120,8 @@ class StepShadow(Joinable):
     def step(self) -> None:
         """The step the others just ran (its DDP collectives already shadowed)."""
         s = self.state
+        if self.trainer.spikes is not None:  # the spike rule's all-reduce of the step's loss
+            self.trainer.spikes.shadow(s.step + 1, s.epoch)
         s.position = self.trainer.schedule.next_boundary(s.position)
         s.step += 1
         self.stopped |= bool(self.on_step(s))

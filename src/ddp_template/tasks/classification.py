@@ -45,6 +45,9 @@ class Classification(Task):
     def loss(self, output: Tensor, y: Tensor, reduction: str) -> Tensor:
         return F.cross_entropy(output, y, label_smoothing=self.label_smoothing, reduction=reduction)
 
+    def sample_losses(self, output: Tensor, y: Tensor) -> Tensor:
+        return self.loss(output, y, "none")
+
     def metric_inputs(self, output: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         # Probabilities, not logits: torchmetrics would softmax a batch only when some value lies
         # outside [0, 1], a guess that could differ between the batches of 1 and of W ranks.

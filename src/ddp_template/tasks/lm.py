@@ -43,6 +43,9 @@ class LanguageModel(Task):
         tokens = F.cross_entropy(output.flatten(0, 1), y.flatten(), reduction=reduction)
         return tokens / max(1, y.shape[-1]) if reduction == "sum" else tokens
 
+    def sample_losses(self, output: Tensor, y: Tensor) -> Tensor:
+        return self.loss(output, y, "none").view(y.shape).mean(dim=-1)  # each window's mean
+
     def sums(self, device: torch.device) -> Tensor:
         # windows, tokens, the sum of the tokens' losses (nats)
         return torch.zeros(3, dtype=torch.float64, device=device)

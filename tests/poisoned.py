@@ -1,0 +1,12 @@
+"""A data factory for the spike tests: ``data=diabetes`` with one training input poisoned."""
+
+from ddp_template.data import builtin
+from ddp_template.data.contract import Splits
+
+INDEX, SCALE = 100, 1000.0  # training sample INDEX's features are multiplied by SCALE
+
+
+def diabetes(test_fraction: float = 0.2, split_seed: int = 0) -> Splits:
+    splits = builtin.diabetes(test_fraction, split_seed)
+    splits.train.x[INDEX] *= SCALE
+    return splits
