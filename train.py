@@ -66,7 +66,7 @@ from ddp_template.profiling import StepProfiler
 from ddp_template.provenance import Chain, Link, build_chain
 from ddp_template.rng import RngState
 from ddp_template.selection import Selection, build_selection
-from ddp_template.sinks.console import setup_console
+from ddp_template.sinks.console import say_refusal, setup_console
 from ddp_template.sinks.metrics import RankLogger, log
 from ddp_template.sinks.share_plot import draw_shares_async
 from ddp_template.spike import build_spikes
@@ -389,7 +389,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         name, _ = objective(built.trainer.task, cfg.selection.monitor, cfg.selection.mode)
         return built.evaluation.latest().values[name]
     except ConfigError as exc:  # one sentence, no traceback: the message says the fix
-        log.error("%s", exc)
+        say_refusal(info.rank, str(exc))  # every rank met it; rank 0 says it
         exit_code = EXIT_CONFIG_ERROR
         raise SystemExit(EXIT_CONFIG_ERROR) from None
     except Exception as exc:
@@ -419,8 +419,8 @@ def main(raw: DictConfig) -> float:
         cfg = boundary.typed(raw)  # the schema dataclasses, unknown keys refused
         boundary.check(cfg)  # every startup check, before any process or builder
         return launch.launch(train, cfg, run_identity.current_run())
-    except ConfigError as exc:
-        log.error("%s", exc)
+    except ConfigError as exc:  # under torchrun every rank checks the config: rank 0 says it
+        say_refusal(distributed.env_rank(), str(exc))
         sys.exit(EXIT_CONFIG_ERROR)
 
 

@@ -3,6 +3,7 @@
     python -m ddp_template.replay <run_dir> --step S            # each rank's batch at step S
     python -m ddp_template.replay <run_dir> --step S --json     # one JSON object per rank
     python -m ddp_template.replay <run_dir> --step S --save batch.pt   # the tensors too
+    python -m ddp_template.replay <run_dir> --step S --losses ckpt.pt  # each sample's loss
     python -m ddp_template.replay <run_dir> --index I           # every step that read sample I
 
 The data order is a function of the run's config: the sampler (mode, permutation, seed),
@@ -46,9 +47,14 @@ from ddp_template.data.kind import DataKind, kind_of
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShareSampler
 from ddp_template.data.splits import build_splits
+from ddp_template.data.transforms import apply_transforms
 from ddp_template.distributed import DistInfo
 from ddp_template.elastic import read_segments
-from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
+from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError, Misfit
+from ddp_template.models import build_model, weights_part
+from ddp_template.rng import RngState
+from ddp_template.spike import sample_losses
+from ddp_template.task import build_task
 
 INDEX_MAX_RANDPERM = 2**28  # N x epochs for --index under randperm: ~10 s on a 2-core CPU
 
@@ -300,6 +306,37 @@ def save_batch(run: Run, rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def step_losses(run: Run, rows: list[dict[str, Any]], checkpoint: Path) -> str:
+    """Each rank's per-sample losses at the step (``row["losses"]``, aligned with its indices)
+    as spike forensics computes them (``spike.sample_losses``): the checkpoint's weights, the
+    rank's RNG state from it, the rank's micro-batches in train mode. Exact with a checkpoint of
+    the step before (what the step ran with); returns what the checkpoint is, for the reader."""
+    payload = load_checkpoint(checkpoint, fix="pass a checkpoint of this run with --losses")
+    cfg, first = run.cfg, rows[0]
+    splits = apply_transforms(build_splits(cfg.data), cfg.transforms, cfg.seed)
+    splits.set_epoch(first["epoch"])
+    model = build_model(cfg.model, splits.info)
+    try:
+        weights_part(model).load_state_dict(payload["model"])
+    except Misfit as exc:
+        raise ConfigError(f"--losses {checkpoint}: {exc}") from None
+    task = build_task(cfg.task)
+    task.setup(splits.info, torch.device("cpu"))
+    model.train()
+    size = piece_of(run, first["step"]).schedule.batch_size
+    ranks = payload["ranks"] if payload["world_size"] == first["world_size"] else None
+    for row in rows:
+        if ranks is not None:  # the RNG this rank's forwards drew from (dropout)
+            RngState().load_state_dict(ranks[row["rank"]]["rng"])
+        chunks = [row["indices"][i : i + size] for i in range(0, len(row["indices"]), size)]
+        batches = [(*default_collate([splits.train[i] for i in c])[:2], c, None) for c in chunks]
+        _, losses = sample_losses(model, task, batches, str(cfg.amp.mode), torch.device("cpu"))
+        row["losses"] = losses.tolist()
+    at = payload["progress"]["step"]
+    exact = "the step before: the weights step" if at == first["step"] - 1 else "not the step"
+    return f"losses with the weights of step {at} ({exact} {first['step']} ran with)"
+
+
 def _print_step(run: Run, rows: list[dict[str, Any]], as_json: bool) -> None:
     if as_json:
         for row in rows:
@@ -317,6 +354,9 @@ def _print_step(run: Run, rows: list[dict[str, Any]], as_json: bool) -> None:
     for row in rows:
         print(f"rank {row['rank']}: epoch {row['epoch']}, position {row['position']}: ", end="")
         print(" ".join(map(str, row["indices"])) or "none (sampler=exact: its list has ended)")
+        if "losses" in row:
+            ranked = sorted(zip(row["losses"], row["indices"], strict=True), reverse=True)
+            print("  losses, highest first: " + " ".join(f"{i}:{v:.4g}" for v, i in ranked))
 
 
 def _print_hits(index: int, hits: list[dict[str, int]], as_json: bool) -> None:
@@ -340,6 +380,12 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--index", type=int, help="list every step that trained on this sample")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument("--save", type=Path, help="with --step: write the batch tensors here")
+    parser.add_argument(
+        "--losses",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="with --step: each sample's loss, with this checkpoint's weights (exact: step S-1's)",
+    )
     parser.add_argument("--world-size", type=int, help="only for a run dir that records none")
     return parser
 
@@ -347,13 +393,16 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.save is not None and args.step is None:
-            raise ConfigError("--save needs --step S; pass the step whose batch to save.")
+        for flag in ("save", "losses"):
+            if getattr(args, flag) is not None and args.step is None:
+                raise ConfigError(f"--{flag} needs --step S; pass the step it is about.")
         run = load_run(args.run_dir, args.world_size)
         if args.index is not None:
             _print_hits(args.index, index_hits(run, args.index), args.json)
             return 0
         rows = step_rows(run, args.step)
+        if args.losses is not None:
+            print(step_losses(run, rows, args.losses), file=sys.stderr)
         _print_step(run, rows, args.json)
         if args.save is not None:
             path = save_batch(run, rows, args.save)

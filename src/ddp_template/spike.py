@@ -2,16 +2,16 @@
 
 The rule (``spike``): the step's loss over every rank's samples (one all-reduce of two numbers a
 step, before the optimizer steps) above ``factor`` x the median of the last ``window`` steps,
-once ``after`` steps are in the window; a NaN or infinite loss always. A step that breaks it is recorded on every rank: each
-rank's samples of the step with their losses, highest first, gathered so every rank holds the
-whole step (``SpikeReport``), which the metrics sink writes to ``rank<r>/spikes.jsonl`` and to
-W&B (``spikes/samples``). The per-sample losses are the step's own: its micro-batches run again
-as training ran them (train mode, each from its RNG state, the weights before the update; no
-gradient, the running statistics put back), which is what ``replay --step S --losses
-<checkpoint of step S-1>`` reproduces from the run directory. With ``spike.skip`` the
-step's update is skipped (its gradients dropped, the running statistics its forwards moved put
-back, the LR schedule still advancing); the samples
-were read, so the ledger counts them, and the epoch's verdict names them as skipped by the rule.
+once ``after`` steps are in the window; a NaN or infinite loss always. A step that breaks it is
+recorded on every rank: each rank's samples of the step with their losses, highest first,
+gathered so every rank holds the whole step (``SpikeReport``), which the metrics sink writes to
+``rank<r>/spikes.jsonl`` and to W&B (``spikes/samples``). The per-sample losses are the step's
+own: its micro-batches run again as training ran them (train mode, each from its RNG state, the
+weights before the update; no gradient, the running statistics put back), which is what
+``replay --step S --losses <checkpoint of step S-1>`` reproduces from the run directory. With
+``spike.skip`` the step's update is skipped (its gradients dropped, the running statistics its
+forwards moved put back, the LR schedule still advancing); the samples were read, so the ledger
+counts them, and the epoch's verdict names them as skipped by the rule.
 
 The window is a checkpoint part (the same on every rank), so a resumed run judges every later
 step as the uninterrupted run does.

@@ -12,6 +12,8 @@ from typing import Any
 from ddp_template.distributed import DistInfo
 from ddp_template.ledger.records import EpochReport
 
+log = logging.getLogger("ddp_template")
+
 
 def setup_console(info: DistInfo, run_dir: Path) -> None:
     """Rank 0 talks; other ranks only warn. Each rank also logs to its file in the run dir.
@@ -34,6 +36,18 @@ def setup_console(info: DistInfo, run_dir: Path) -> None:
     for h in root.handlers:
         if not isinstance(h, logging.FileHandler):
             h.setLevel(logging.INFO if info.is_main else logging.WARNING)
+
+
+def say_refusal(rank: int, message: str) -> None:
+    """A refusal, said once: rank 0 logs it (console and train.log); any other rank, which met
+    the same refusal, writes it to its own log file only and exits with the same code."""
+    if rank == 0:
+        log.error("%s", message)
+        return
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (message,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def report_lines(report: EpochReport, epoch: int) -> list[str]:
