@@ -137,8 +137,6 @@ class Chain:
         if not chain:
             self.breaks.append(f"{path.name} carries no chain (written before provenance)")
             return None
-        for i in range(len(chain) - 1):
-            _intact(path, chain, i)
         last, k = chain[-1], len(chain) - 1
         prev = chain[-2] if k else None
         truth = {
@@ -155,7 +153,7 @@ class Chain:
         differ = [f for f in FIELDS if last.get(f) != truth[f][0]]
         if link_hash(last) != last.get("hash"):
             named = differ[0] if differ else "hash"
-            said, source = truth.get(named, (link_hash(last), "its fields"))
+            said, source = truth.get(named, (link_hash(last), "the hash of its fields"))
             raise ConfigError(
                 f"checkpoint {path}: its provenance link {k} was altered after it was written: "
                 f"its {named} is {_show(last.get(named))} but {source} says {_show(said)}; "
@@ -172,6 +170,8 @@ class Chain:
                     f"fresh with resume=never."
                 )
             self.breaks.append(self._change(path, name, last[name], truth[name][0]))
+        for i in range(k):  # the links before it, whose hashes the next ones name
+            _intact(path, chain, i)
         if last["world_size"] != world_size:
             self.breaks.append(f"world size {last['world_size']} → {world_size} (elastic resume)")
         self.history = list(chain)

@@ -1,0 +1,217 @@
+"""Spike forensics: a poisoned sample at a known index is named by the step it spikes, on 1, 2
+and 3 ranks; skipped, it is named in the ledger's verdict; replay reproduces its loss; a run
+killed after the spike resumes bit-identically (the rule's window is checkpointed).
+
+The poisoned data is ``data=diabetes`` with training sample ``poisoned.INDEX``'s features
+multiplied by ``poisoned.SCALE`` (tests/poisoned.py, a data factory of the test's own)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import PY, ROOT, jsonl, run, run_env, summary, train_cmd
+from poisoned import INDEX
+
+from ddp_template.checkpoint import load
+from ddp_template.config.loop import SpikeConfig
+from ddp_template.data.contract import DataInfo
+from ddp_template.distributed import DistInfo
+from ddp_template.spike import Spikes, sample_losses
+from ddp_template.tasks.classification import Classification
+from ddp_template.tasks.regression import Regression
+
+POISONED = [
+    "task=regression",
+    "data=diabetes",
+    "data._target_=poisoned.diabetes",
+    "model=mlp",
+    "epochs=2",
+    "spike.after=1",
+    "spike.skip=true",
+]
+
+
+def _env(name: str) -> dict[str, str]:
+    return run_env(RUN_ID=name, PYTHONPATH=str(ROOT / "tests"))
+
+
+def _spikes(run_dir: Path, world: int) -> list[dict]:
+    """Every rank's spikes.jsonl records of each step, their samples joined."""
+    steps: dict[int, dict] = {}
+    for r in range(world):
+        for record in jsonl(run_dir / f"rank{r}" / "spikes.jsonl"):
+            step = steps.setdefault(record["step"], {**record, "samples": []})
+            step["samples"] += [s | {"rank": r} for s in record["samples"]]
+    return [steps[s] for s in sorted(steps)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_poisoned_sample_is_named_and_its_update_skipped(world: int, tmp_path: Path) -> None:
+    """Each epoch's spike names INDEX first, on the rank replay says read it; its step's
+    update is skipped, so training is sound; the verdict names the skipped samples and each
+    rank's ledger counts them (data/spike_skipped)."""
+    name = f"spike{world}"
+    proc = run(train_cmd(tmp_path, *POISONED, f"dist.nproc={world}"), env=_env(name))
+    run_dir = tmp_path / "outputs" / name
+    spikes = _spikes(run_dir, world)
+    assert [s["epoch"] for s in spikes] == [0, 1], spikes
+    hits = subprocess.run(
+        [PY, "-m", "ddp_template.replay", str(run_dir), "--index", str(INDEX), "--json"],
+        cwd=ROOT,
+        env=_env(name),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    read = [json.loads(h) for h in hits]
+    assert [(h["step"], h["rank"]) for h in read] == [
+        (s["step"], max(s["samples"], key=lambda x: x["loss"])["rank"]) for s in spikes
+    ]
+    for spike in spikes:
+        top = max(spike["samples"], key=lambda s: s["loss"])
+        assert top["index"] == INDEX and top["loss"] > 100 * spike["median"]
+        assert spike["skipped"] and spike["loss"] > 10 * spike["median"]
+        assert len(spike["samples"]) == 32 * world
+    said = proc.stdout + proc.stderr
+    assert f"highest per-sample losses: index {INDEX} (rank " in said
+    verdicts = [line for line in said.splitlines() if "verdict ok; step " in line]
+    assert len(verdicts) == 2 and all("skipped by the spike rule" in v for v in verdicts), said
+    skipped = [
+        r["data/spike_skipped"]
+        for k in range(world)
+        for r in jsonl(run_dir / f"rank{k}" / "metrics.jsonl")
+        if "data/spike_skipped" in r
+    ]
+    assert skipped == [32] * (2 * world)
+    assert summary(run_dir)["eval_r2"] > 0.3  # the poison never reached the weights
+
+
+def test_replay_reproduces_the_losses_and_a_killed_run_resumes_bit_identically(
+    tmp_path: Path,
+) -> None:
+    """One rank: the uninterrupted run's first spike at step S; the same run checkpointed every
+    step and killed at S (after its spike was judged): replay --step S --losses of its
+    checkpoint of step S-1 gives the spike's per-sample losses; resumed, it ends with the
+    uninterrupted run's weights, its second spike and both verdict notes."""
+    run(train_cmd(tmp_path, *POISONED), env=_env("whole"))
+    whole = tmp_path / "outputs" / "whole"
+    first = _spikes(whole, 1)[0]
+    step = first["step"]
+    cut = ["checkpoint.every_steps=1", f"fault.crash_at_step={step}"]
+    killed = run(train_cmd(tmp_path, *POISONED, *cut), env=_env("cut"), check=False)
+    assert killed.returncode != 0
+    run_dir = tmp_path / "outputs" / "cut"
+    assert load(run_dir / "checkpoints" / "last.pt")["progress"]["step"] == step - 1
+    replayed = subprocess.run(
+        [
+            PY,
+            "-m",
+            "ddp_template.replay",
+            str(whole),
+            "--step",
+            str(step),
+            "--json",
+            "--losses",
+            str(run_dir / "checkpoints" / "last.pt"),
+        ],
+        cwd=ROOT,
+        env=_env("cut"),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert f"the step before: the weights step {step} ran with" in replayed.stderr
+    row = json.loads(replayed.stdout.splitlines()[0])
+    losses = dict(zip(row["indices"], row["losses"], strict=True))
+    recorded = {s["index"]: s["loss"] for s in first["samples"]}
+    assert losses.keys() == recorded.keys()
+    assert all(math.isclose(losses[i], recorded[i], rel_tol=1e-6) for i in recorded)
+    run(train_cmd(tmp_path, *POISONED, "checkpoint.every_steps=1"), env=_env("cut"))
+    ends = [load(d / "checkpoints" / "last.pt")["model"] for d in (whole, run_dir)]
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+    assert [s["step"] for s in _spikes(run_dir, 1)] == [s["step"] for s in _spikes(whole, 1)]
+
+
+# ----------------------------------------------------------------------------- the rule alone
+def _alone() -> DistInfo:
+    return DistInfo(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        backend=None,
+        device=torch.device("cpu"),
+        host="test",
+    )
+
+
+def _regression(outputs: int) -> Regression:
+    task = Regression()
+    task.setup(DataInfo(out_features=outputs), torch.device("cpu"))
+    return task
+
+
+def _step(spikes: Spikes, loss: float, step: int, module: torch.nn.Module) -> bool:
+    x, y = torch.ones(2, 1), torch.zeros(2, 1)
+    spikes.hold(x, y, torch.tensor([2 * step, 2 * step + 1]), module)
+    spikes.count(torch.tensor(loss), 2)
+    return spikes.judge(module, step, 0)
+
+
+def test_the_rule_waits_for_its_window_takes_the_median_and_always_fires_on_nan() -> None:
+    module = torch.nn.Linear(1, 1)
+    cfg = SpikeConfig(factor=3.0, window=4, after=2, skip=True)
+    spikes = Spikes(cfg=cfg, task=_regression(1), info=_alone(), amp_mode="off")
+    assert not _step(spikes, 100.0, 1, module)  # nothing to compare with yet
+    assert not _step(spikes, 1.0, 2, module)
+    assert _step(spikes, 200.0, 3, module)  # > 3 x median(100, 1) = 151.5
+    assert [r.step for r in spikes.take()] == [3] and spikes.take() == []
+    for k, loss in enumerate([1.0, 1.0, 1.0], start=4):
+        assert not _step(spikes, loss, k, module)
+    assert list(spikes.recent) == [200.0, 1.0, 1.0, 1.0]  # the window's last 4
+    assert _step(spikes, math.nan, 7, module) and _step(spikes, math.inf, 8, module)
+    assert list(spikes.recent) == [200.0, 1.0, 1.0, 1.0]  # never the reference
+    saved = spikes.state_dict()
+    again = Spikes(cfg=cfg, task=_regression(1), info=_alone(), amp_mode="off")
+    again.load_state_dict(saved)
+    assert list(again.recent) == list(spikes.recent) and again.skips == spikes.skips
+    assert again.notes(0)[0].startswith("step 3: the update of 2 samples skipped")
+
+
+def test_sample_losses_are_the_forward_s_own_and_leave_the_model_and_rng_as_they_were() -> None:
+    """Train mode with dropout and BatchNorm: the per-sample losses equal the training
+    forward's (same RNG state, same batch statistics); running statistics and the RNG after
+    are untouched."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 3)
+    )
+    task = Classification()
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    rng = (torch.get_rng_state(), None)
+    expected = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+    stats = [b.clone() for b in model.buffers()]
+    after = torch.get_rng_state()
+    index, losses = sample_losses(model, task, [(x, y, list(range(6)), rng)], "off", "cpu")
+    assert index.tolist() == list(range(6))
+    assert torch.allclose(torch.from_numpy(losses), expected.detach(), rtol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers(), strict=True))
+    assert torch.equal(torch.get_rng_state(), after)
+
+
+def test_a_task_s_default_sample_losses_are_each_sample_s_loss_alone() -> None:
+    """``Task.sample_losses`` (each sample alone) agrees with the vectorised override."""
+    task = Classification()
+    out, y = torch.randn(5, 4), torch.randint(0, 4, (5,))
+    generic = super(Classification, task).sample_losses(out, y)
+    assert torch.allclose(generic, task.sample_losses(out, y), rtol=1e-6)
+    regression = _regression(2)
+    pred, target = torch.randn(3, 2), torch.randn(3, 2)
+    assert torch.allclose(
+        regression.sample_losses(pred, target), (pred - target).square().mean(dim=1), rtol=1e-6
+    )
