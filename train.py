@@ -93,12 +93,13 @@ class Built(NamedTuple):
 
 
 def build(cfg: Config, info: distributed.DistInfo) -> Built:
-    """Data (+augmentation) → sampler → loaders → task → model (+SyncBN) → switches (EMA) →
-    DDP → compile → optimizer → evaluation."""
+    """Data (+its identity, +augmentation) → sampler → loaders → task → model (+SyncBN) →
+    switches (EMA) → DDP → compile → optimizer (+the spike rule) → evaluation."""
     splits = build_splits(cfg.data)
     kind = kind_of(splits)  # map-style, or the kind its factory chose (tar shards, a stream)
     kind.check(cfg, splits)  # the run's options this kind cannot honour
-    data = identify(splits)  # before augmentation wraps it
+    # The data's identity (provenance), before augmentation wraps it: rank 0's, read once.
+    data = distributed.broadcast_object(identify(splits) if info.is_main else None, info)
     splits = apply_transforms(splits, cfg.transforms, cfg.seed)
     sampler = kind.sampler(splits.train, cfg.sampler, seed=cfg.seed, info=info, loader=cfg.loader)
     loader = kind.loader(
@@ -170,7 +171,6 @@ def checkpointer(
         "scheduler": tr.scheduler,
         "scaler": scaler_part(tr.scaler),
         **built.switches,
-        **({"spike": tr.spikes} if tr.spikes is not None else {}),
         "selection": built.selection,
     }
     return Checkpointer(
@@ -181,6 +181,7 @@ def checkpointer(
             "sampler": SamplerPosition(sampler=tr.sampler, state=state),
             "rng": RngState(),
             "ledger": Ledger(state=state),
+            **({"spike": tr.spikes} if tr.spikes is not None else {}),
         },
         config_yaml=yaml,
         info=tr.info,
@@ -303,6 +304,8 @@ def account(
     tr, epoch, step = built.trainer, state.epoch, state.step
     metrics = epoch_metrics(stats, tr.sampler, start, epoch, carried=state.carried)
     logger.log_epoch(metrics, step)  # a collective with one W&B run
+    if tr.spikes is not None:
+        logger.log_spikes(step)  # the epoch's spikes to one W&B run: a collective there
     report = built.kind.verify(stats, tr, state, start, metrics)  # a collective
     if report is not None:
         if tr.spikes is not None:  # samples whose update the spike rule skipped, by name

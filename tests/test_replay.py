@@ -24,6 +24,7 @@ import pytest
 import torch
 from helpers import jsonl, run, run_env, train_cmd
 
+from ddp_template.data.identity import PROBES
 from ddp_template.ledger.tally import fingerprint
 from ddp_template.replay import index_hits, load_run, main, step_rows
 
@@ -85,6 +86,10 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     consumed = [
         [int(line) for line in (records / f"rank{r}.txt").read_text().split()] for r in range(W)
     ]
+    # Before training, rank 0 probed the data for the provenance chain (data.identity): PROBES
+    # samples spread over it, here all 45, in order.
+    assert consumed[0][:N] == list(range(N))
+    consumed[0] = consumed[0][min(PROBES, N) :]
     return SimpleNamespace(run_dir=run_dir, code=code, consumed=consumed, env=env)
 
 

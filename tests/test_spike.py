@@ -1,6 +1,7 @@
-"""Spike forensics: a poisoned sample at a known index is named by the step it spikes, on 1, 2
-and 3 ranks; skipped, it is named in the ledger's verdict; replay reproduces its loss; a run
-killed after the spike resumes bit-identically (the rule's window is checkpointed).
+"""Spike forensics: a poisoned sample at a known index is named by the rank that read it, at the
+step it spikes, on 1, 2 and 3 ranks; skipped (every rank agreeing), it is named in the ledger's
+verdict; replay reproduces its loss; a run killed after the spike resumes bit-identically (each
+rank's window is checkpointed).
 
 The poisoned data is ``data=diabetes`` with training sample ``poisoned.INDEX``'s features
 multiplied by ``poisoned.SCALE`` (tests/poisoned.py, a data factory of the test's own)."""
@@ -40,26 +41,24 @@ def _env(name: str) -> dict[str, str]:
     return run_env(RUN_ID=name, PYTHONPATH=str(ROOT / "tests"))
 
 
-def _spikes(run_dir: Path, world: int) -> list[dict]:
-    """Every rank's spikes.jsonl records of each step, their samples joined."""
-    steps: dict[int, dict] = {}
+def _spikes(run_dir: Path, world: int) -> list[list[dict]]:
+    """Each recorded step's records, one per rank that recorded it (with its rank)."""
+    steps: dict[int, list[dict]] = {}
     for r in range(world):
         for record in jsonl(run_dir / f"rank{r}" / "spikes.jsonl"):
-            step = steps.setdefault(record["step"], {**record, "samples": []})
-            step["samples"] += [s | {"rank": r} for s in record["samples"]]
+            steps.setdefault(record["step"], []).append(record | {"rank": r})
     return [steps[s] for s in sorted(steps)]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_a_poisoned_sample_is_named_and_its_update_skipped(world: int, tmp_path: Path) -> None:
-    """Each epoch's spike names INDEX first, on the rank replay says read it; its step's
-    update is skipped, so training is sound; the verdict names the skipped samples and each
-    rank's ledger counts them (data/spike_skipped)."""
+    """Each epoch, the rank replay says read INDEX fires and names it first; every rank
+    records its part of the step and skips its update, so training is sound; the verdict names
+    the skipped samples and each rank's ledger counts them (data/spike_skipped)."""
     name = f"spike{world}"
     proc = run(train_cmd(tmp_path, *POISONED, f"dist.nproc={world}"), env=_env(name))
     run_dir = tmp_path / "outputs" / name
     spikes = _spikes(run_dir, world)
-    assert [s["epoch"] for s in spikes] == [0, 1], spikes
     hits = subprocess.run(
         [PY, "-m", "ddp_template.replay", str(run_dir), "--index", str(INDEX), "--json"],
         cwd=ROOT,
@@ -68,15 +67,17 @@ def test_a_poisoned_sample_is_named_and_its_update_skipped(world: int, tmp_path:
         text=True,
         check=True,
     ).stdout.splitlines()
-    read = [json.loads(h) for h in hits]
-    assert [(h["step"], h["rank"]) for h in read] == [
-        (s["step"], max(s["samples"], key=lambda x: x["loss"])["rank"]) for s in spikes
+    read = [json.loads(h) for h in hits]  # epoch 0 and epoch 1
+    assert [(h["epoch"], h["step"]) for h in read] == [
+        (r[0]["epoch"], r[0]["step"]) for r in spikes
     ]
-    for spike in spikes:
-        top = max(spike["samples"], key=lambda s: s["loss"])
-        assert top["index"] == INDEX and top["loss"] > 100 * spike["median"]
-        assert spike["skipped"] and spike["loss"] > 10 * spike["median"]
-        assert len(spike["samples"]) == 32 * world
+    for records, hit in zip(spikes, read, strict=True):
+        assert len(records) == world and all(r["skipped"] for r in records)  # agreed: all
+        (fired,) = [r for r in records if r["fired"]]  # the rank that read the poison
+        assert fired["rank"] == hit["rank"] and fired["samples"][0]["index"] == INDEX
+        assert fired["loss"] > 10 * fired["median"]
+        assert fired["samples"][0]["loss"] > 100 * fired["median"]
+        assert sum(len(r["samples"]) for r in records) == 32 * world  # the whole step
     said = proc.stdout + proc.stderr
     assert f"highest per-sample losses: index {INDEX} (rank " in said
     verdicts = [line for line in said.splitlines() if "verdict ok; step " in line]
@@ -100,7 +101,7 @@ def test_replay_reproduces_the_losses_and_a_killed_run_resumes_bit_identically(
     uninterrupted run's weights, its second spike and both verdict notes."""
     run(train_cmd(tmp_path, *POISONED), env=_env("whole"))
     whole = tmp_path / "outputs" / "whole"
-    first = _spikes(whole, 1)[0]
+    (first,) = _spikes(whole, 1)[0]
     step = first["step"]
     cut = ["checkpoint.every_steps=1", f"fault.crash_at_step={step}"]
     killed = run(train_cmd(tmp_path, *POISONED, *cut), env=_env("cut"), check=False)
@@ -134,7 +135,7 @@ def test_replay_reproduces_the_losses_and_a_killed_run_resumes_bit_identically(
     run(train_cmd(tmp_path, *POISONED, "checkpoint.every_steps=1"), env=_env("cut"))
     ends = [load(d / "checkpoints" / "last.pt")["model"] for d in (whole, run_dir)]
     assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
-    assert [s["step"] for s in _spikes(run_dir, 1)] == [s["step"] for s in _spikes(whole, 1)]
+    assert [s[0]["step"] for s in _spikes(run_dir, 1)] == [s[0]["step"] for s in _spikes(whole, 1)]
 
 
 # ----------------------------------------------------------------------------- the rule alone
@@ -181,6 +182,15 @@ def test_the_rule_waits_for_its_window_takes_the_median_and_always_fires_on_nan(
     again.load_state_dict(saved)
     assert list(again.recent) == list(spikes.recent) and again.skips == spikes.skips
     assert again.notes(0)[0].startswith("step 3: the update of 2 samples skipped")
+    again.load_resized([saved], world_size=2)  # another world size: a fresh window
+    assert not again.recent and again.skips == spikes.skips
+    recording = Spikes(
+        cfg=SpikeConfig(factor=3.0, after=1), task=_regression(1), info=_alone(), amp_mode="off"
+    )
+    assert not _step(recording, 1.0, 1, module) and not _step(recording, 9.0, 2, module)
+    (report,) = recording.take()  # recorded, the update kept (spike.skip=false)
+    assert (report.step, report.fired, report.skipped, report.rank) == (2, True, False, 0)
+    assert [s.index for s in report.samples] == [4, 5] and not recording.notes(0)
 
 
 def test_sample_losses_are_the_forward_s_own_and_leave_the_model_and_rng_as_they_were() -> None:

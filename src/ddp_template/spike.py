@@ -1,20 +1,26 @@
 """Spike forensics: a step whose loss jumps names its samples, with their losses, as it happens.
 
-The rule (``spike``): the step's loss over every rank's samples (one all-reduce of two numbers a
-step, before the optimizer steps) above ``factor`` x the median of the last ``window`` steps,
-once ``after`` steps are in the window; a NaN or infinite loss always. A step that breaks it is
-recorded on every rank: each rank's samples of the step with their losses, highest first,
-gathered so every rank holds the whole step (``SpikeReport``), which the metrics sink writes to
-``rank<r>/spikes.jsonl`` and to W&B (``spikes/samples``). The per-sample losses are the step's
-own: its micro-batches run again as training ran them (train mode, each from its RNG state, the
-weights before the update; no gradient, the running statistics put back), which is what
-``replay --step S --losses <checkpoint of step S-1>`` reproduces from the run directory. With
-``spike.skip`` the step's update is skipped (its gradients dropped, the running statistics its
-forwards moved put back, the LR schedule still advancing); the samples were read, so the ledger
-counts them, and the epoch's verdict names them as skipped by the rule.
+The rule (``spike``), on every rank, about its own part of the step: the rank's loss over its
+samples of the step above ``factor`` x the median of its last ``window`` steps, once ``after``
+steps are in the window; a NaN or infinite loss always. No collective: a poisoned sample lifts
+the loss of the rank that read it W times more than the loss over every rank, and each rank
+reads its loss on the host anyway (CPU; on CUDA the read waits for the step's backward). A rank
+whose rule fires records its samples of the step with their losses, highest first
+(``SpikeReport``), which the metrics sink writes to ``rank<r>/spikes.jsonl``, the console and
+W&B (``spikes/samples``). The per-sample losses are the step's own: its micro-batches run again
+as training ran them (train mode, each from its RNG state, the weights before the update; no
+gradient, the running statistics put back), which is what ``replay --step S --losses
+<checkpoint of step S-1>`` reproduces from the run directory.
 
-The window is a checkpoint part (the same on every rank), so a resumed run judges every later
-step as the uninterrupted run does.
+With ``spike.skip`` the ranks agree on every step (one all-reduce of the ranks' verdicts a step,
+before the optimizer steps; under ``uneven=join`` the joined ranks shadow it): when any rank's
+rule fires, every rank records its samples, gathered into one report of the whole step, and
+the step's update is skipped (its gradients dropped, the running statistics its forwards moved
+put back, the LR schedule still advancing). The samples were read, so the ledger counts them,
+and the epoch's verdict names them as skipped by the rule.
+
+Each rank's window is a per-rank checkpoint part, so a resumed run judges every later step as
+the uninterrupted run does (at another world size each new rank's window starts empty).
 """
 
 from __future__ import annotations
@@ -45,32 +51,44 @@ class SpikeSample:
 
 @dataclass(frozen=True)
 class SpikeReport:
-    """One step that broke the rule: its loss, the reference, and every rank's samples."""
+    """One step that broke the rule, as one rank recorded it: its loss over that rank's
+    samples, the rank's reference, and the samples (every rank's where the ranks agreed on
+    skipping the step), the highest loss first."""
 
     step: int
     epoch: int
-    loss: float
-    median: float
+    rank: int  # who recorded it
+    loss: float  # this rank's loss of the step
+    median: float  # of this rank's window
     factor: float
+    fired: bool  # this rank's own rule fired (spike.skip: else another rank's did)
     skipped: bool  # its update was skipped (spike.skip)
-    samples: tuple[SpikeSample, ...]  # every rank's, the highest loss first
+    samples: tuple[SpikeSample, ...]
 
     def line(self, top: int) -> str:
         named = ", ".join(
             f"index {s.index} (rank {s.rank}, loss {s.loss:.4g})" for s in self.samples[:top]
         )
         action = "; its update skipped" if self.skipped else ""
+        if not self.fired:
+            judged = f"another rank's rule fired (its own loss {self.loss:.4g})"
+        elif not math.isfinite(self.loss):
+            judged = f"loss {self.loss} (not finite)"
+        else:
+            judged = (
+                f"loss {self.loss:.4g} > {self.factor:g} x median {self.median:.4g} of its "
+                f"last steps"
+            )
         return (
-            f"spike at step {self.step} (epoch {self.epoch}): loss {self.loss:.4g} > "
-            f"{self.factor:g} x median {self.median:.4g} of the last steps{action}; highest "
-            f"per-sample losses: {named or 'none'}"
+            f"spike at step {self.step} (epoch {self.epoch}), rank {self.rank}: {judged}"
+            f"{action}; highest per-sample losses: {named or 'none'}"
         )
 
-    def own(self, rank: int) -> dict[str, Any]:
-        """``rank``'s JSONL record: the step and its own samples, highest loss first."""
-        mine = [{"index": s.index, "loss": s.loss} for s in self.samples if s.rank == rank]
-        head = {k: getattr(self, k) for k in ("step", "epoch", "loss", "median", "skipped")}
-        return head | {"samples": mine}
+    def own(self) -> dict[str, Any]:
+        """The recording rank's JSONL record: the step and its own samples, highest first."""
+        mine = [{"index": s.index, "loss": s.loss} for s in self.samples if s.rank == self.rank]
+        keys = ("step", "epoch", "loss", "median", "fired", "skipped")
+        return {k: getattr(self, k) for k in keys} | {"samples": mine}
 
 
 Held = tuple[Any, Any, Any, Any]  # a micro-batch (x, y, idx) and the RNG state before it
@@ -122,18 +140,19 @@ def sample_losses(
 
 @dataclass(kw_only=True)
 class Spikes:
-    """The rule's window and this step's micro-batches; a checkpoint part (``spike``)."""
+    """This rank's rule: its window and this step's micro-batches; a per-rank checkpoint part
+    (``spike``)."""
 
     cfg: SpikeConfig
     task: Task
     info: DistInfo
     amp_mode: str
-    recent: deque[float] = field(default_factory=deque)  # the last steps' losses
+    recent: deque[float] = field(default_factory=deque)  # this rank's last steps' losses
     pending: list[SpikeReport] = field(default_factory=list)  # for the metrics sink
     skips: list[tuple[int, int, list[int]]] = field(default_factory=list)  # epoch, step, idx
     own: int = 0  # this rank's samples of the step judged last
     _held: list[Held] = field(default_factory=list)
-    _sums: torch.Tensor | None = None
+    _losses: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # this step's
     _buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def hold(self, x: Any, y: Any, idx: Any, module: nn.Module) -> None:
@@ -146,64 +165,68 @@ class Spikes:
         self._held.append((x, y, idx, rng_state()))
 
     def count(self, loss: torch.Tensor, n: int) -> None:
-        """The micro-batch's loss (its mean over ``n`` samples) into the step's sums."""
-        if self._sums is None:
-            self._sums = torch.zeros(2, dtype=torch.float64, device=self.info.device)
-        self._sums[0] += loss.double() * n
-        self._sums[1] += n
+        """The micro-batch's loss (its mean over ``n`` samples), read when the step is judged."""
+        self._losses.append((loss.detach(), n))
 
     def judge(self, module: nn.Module, step: int, epoch: int) -> bool:
-        """Step ``step``'s loss over every rank (a collective) against the rule; a spike is
-        recorded (another collective, on every rank alike). True: skip its update."""
-        sums = self._sums if self._sums is not None else torch.zeros(2, dtype=torch.float64)
-        total, count = all_reduce_sum(sums.to(self.info.device), self.info).tolist()
-        held, self._held, self._sums = self._held, [], None
+        """This rank's loss of step ``step`` against its rule; with ``spike.skip`` the ranks'
+        verdicts all-reduced (a collective). A spike is recorded. True: skip the update."""
+        total = sum(loss.item() * n for loss, n in self._losses if n)
+        count = sum(n for _, n in self._losses)
+        held, self._held, self._losses = self._held, [], []
         buffers, self._buffers = self._buffers, []
         self.own = sum(len(batch[2]) for batch in held)
-        if count == 0:
-            return False
-        loss = total / count
+        loss = total / count if count else 0.0
         finite = math.isfinite(loss)
         judged = len(self.recent) >= self.cfg.after
-        fired = not finite or (judged and loss > self.cfg.factor * self.median)
-        if fired:
-            self._record(module, held, step, epoch, loss)
+        fired = count > 0 and (not finite or (judged and loss > self.cfg.factor * self.median))
+        agreed = fired
+        if self.cfg.skip:  # every rank skips, or none: one verdict for the step
+            votes = torch.tensor([float(fired)], device=self.info.device)
+            agreed = bool(all_reduce_sum(votes, self.info).item())
+        if agreed:
+            self._record(module, held, step, epoch, loss, fired)
             if self.cfg.skip:  # the step's forwards moved the running statistics: undone
                 for live, saved in buffers:
                     live.copy_(saved)
-        if finite:  # a NaN or infinite step is a spike, never the reference
+        if count and finite:  # a NaN or infinite step is a spike, never the reference
             self.recent.append(loss)
         while len(self.recent) > self.cfg.window:
             self.recent.popleft()
-        return fired and self.cfg.skip
+        return agreed and self.cfg.skip
 
     def shadow(self, step: int, epoch: int) -> None:
         """A rank whose stream ended (``uneven=join``) meets the others' collectives of the
-        step with no samples of its own."""
-        self._held, self._sums, self._buffers = [], None, []
-        self.judge(nn.Identity(), step, epoch)
+        step (``spike.skip``: the verdicts, and a spike's gather) with no samples of its own."""
+        self._held, self._losses, self._buffers = [], [], []
+        if self.cfg.skip:
+            self.judge(nn.Identity(), step, epoch)
 
     @property
     def median(self) -> float:
         return statistics.median(self.recent) if self.recent else math.nan
 
     def _record(
-        self, module: nn.Module, held: list[Held], step: int, epoch: int, loss: float
+        self, module: nn.Module, held: list[Held], step: int, epoch: int, loss: float, fired: bool
     ) -> None:
         indices, losses = sample_losses(module, self.task, held, self.amp_mode, self.info.device)
-        ranks = gather_objects((indices.tolist(), losses.tolist()), self.info)
+        mine = (indices.tolist(), losses.tolist())
+        ranks = gather_objects(mine, self.info) if self.cfg.skip else None  # the whole step
+        rows = enumerate(ranks) if ranks is not None else [(self.info.rank, mine)]
         samples = [
             SpikeSample(rank=r, index=int(i), loss=float(v))
-            for r, (idx, vals) in enumerate(ranks)
+            for r, (idx, vals) in rows
             for i, v in zip(idx, vals, strict=True)
         ]
         samples.sort(key=lambda s: -s.loss)
         report = SpikeReport(
             step=step,
             epoch=epoch,
+            rank=self.info.rank,
             loss=loss,
             median=self.median,
             factor=float(self.cfg.factor),
+            fired=fired,
             skipped=self.cfg.skip,
             samples=tuple(samples),
         )
@@ -233,6 +256,13 @@ class Spikes:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.recent = deque(float(v) for v in state["recent"])
         self.skips = [(int(e), int(s), list(i)) for e, s, i in state["skips"]]
+
+    def load_resized(self, saved: list[dict[str, Any]], *, world_size: int) -> None:
+        """At another world size no rank continues an old rank's window: each starts empty
+        (the rule judges again after ``spike.after`` steps); the skipped steps' notes, the same
+        on every old rank, carry on."""
+        self.recent = deque()
+        self.skips = [(int(e), int(s), list(i)) for e, s, i in saved[0]["skips"]]
 
     def start_fresh(self) -> str:
         return "the spike rule's window starts empty"

@@ -44,6 +44,7 @@ class RankLogger:
         self.bar: Any = None
         self.layout: Layout | None = None
         self._epoch_ranks: list[dict[str, Any]] | None = None  # one run: rank 0's last gather
+        self._spikes: list[list[dict[str, Any]]] = []  # this epoch's spike samples, per report
         self._alerted: set[str] = set()
         if cfg.name != LoggerName.wandb:
             return
@@ -133,16 +134,28 @@ class RankLogger:
             self.wandb.summary["resume"] = line
 
     def log_spike(self, report: SpikeReport, step: int, top: int) -> None:
-        """A step the spike rule caught: every rank's own samples to ``rank<r>/spikes.jsonl``;
-        rank 0's console line and W&B's ``spikes/samples`` table (every rank's samples)."""
+        """A step the spike rule caught, as this rank recorded it: its own samples to
+        ``rank<r>/spikes.jsonl``, the console line, and the report's samples to this rank's
+        W&B run (``spikes/samples``; with one W&B run, ``log_spikes`` gathers them there)."""
         with open(self.rank_dir / "spikes.jsonl", "a") as f:
-            f.write(json.dumps(report.own(self.info.rank)) + "\n")
-        if not self.info.is_main:
-            return
-        log.warning("%s", report.line(top))
+            f.write(json.dumps(report.own()) + "\n")
+        if report.fired or self.info.is_main:  # agreed skips: rank 0 speaks for the others
+            log.warning("%s", report.line(top))
         self.log({"spikes/loss": report.loss, "spikes/median": report.median}, step)
-        rows = [{"step": step, **asdict(s)} for s in report.samples]
-        self.log_table("spikes/samples", rows, step)
+        self._spikes.append([{"step": step, **asdict(s)} for s in report.samples])
+        if self.layout is None or not self.layout.one_run:
+            self.log_table("spikes/samples", self._spikes.pop(), step)
+
+    def log_spikes(self, step: int) -> None:
+        """With one W&B run (``main``, ``shared``): the epoch's spike samples of every rank to
+        it (a collective at the epoch's end; nothing to gather is gathered as nothing)."""
+        if self.layout is None or not self.layout.one_run:
+            return
+        ranks = gather_objects([row for rows in self._spikes for row in rows], self.info)
+        self._spikes = []
+        rows = sorted((r for rows in ranks for r in rows), key=lambda r: -r["loss"])
+        if self.info.is_main:
+            self.log_table("spikes/samples", rows, step)
 
     def log_sizes(self, splits: Any, step: int) -> None:
         """Rank 0 records the dataset sizes once, next to its eval metrics."""
