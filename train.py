@@ -47,7 +47,14 @@ from ddp_template.engine import (
     steps_this_epoch,
     train_one_epoch,
 )
-from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
+from ddp_template.errors import (
+    EXIT_CONFIG_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    ConfigError,
+    Unanimous,
+    unanimous,
+)
 from ddp_template.evaluation import Evaluation, build_evaluation
 from ddp_template.finetune import init_weights
 from ddp_template.ledger.verify import epoch_metrics, resumed_prefix
@@ -208,8 +215,9 @@ def resume(
             report = init_weights(cfg.finetune, tr.module)
             log.info("initialised from %s: %s", cfg.finetune.init_from, describe_load(report))
         return None
-    link = chain.check(found.path, found.payload, info.world_size)  # before any part moves
-    ckpt.restore(found, resized=resize is not None)
+    with unanimous():  # every rank decides alike from the one checkpoint
+        link = chain.check(found.path, found.payload, info.world_size)  # before any part moves
+        ckpt.restore(found, resized=resize is not None)
     log.info("resumed from %s at epoch %d, step %d", found.path, state.epoch, state.step)
     if resize is not None:
         log.info("%s", resize.describe())
@@ -237,8 +245,8 @@ def continuity(chain: Chain, link: Link | None, tr: Trainer, state: TrainState) 
         )
     rows = distributed.gather_objects(mine, tr.info)
     wrong = [w for _, _, ws in rows for w in ws]
-    if wrong:
-        raise ConfigError(
+    if wrong:  # every rank holds the same rows: a refusal they all meet
+        raise Unanimous(
             f"resume at step {state.step}: {wrong[0]}, so it would skip and repeat samples; "
             f"resume with the template version and config that wrote the checkpoint, or start "
             f"fresh with resume=never."
@@ -323,11 +331,8 @@ def step_hook(
 ) -> StepHook:
     """After every optimizer step: the switches, the logs (a spike's report), faults,
     preemption, checkpoints."""
-    switches, rank, spikes = (
-        list(built.switches.values()),
-        built.trainer.info.rank,
-        built.trainer.spikes,
-    )
+    switches, tr = list(built.switches.values()), built.trainer
+    rank, spikes = tr.info.rank, tr.spikes
     # uneven=join: a rank that joined runs this hook for each step it shadows, its optimizer
     # state stale until Join's end, so a stop's checkpoint waits for fit (after Join).
     save_on_stop = cfg.uneven != "join"
@@ -360,7 +365,8 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         log.info("%s", info.describe())
         log.info("numerics: %s", numerics.describe())
         found = resume_rank0(cfg.resume, run.run_dir / "checkpoints", info)
-        resize = plan_resize(cfg.elastic, found=found, run=cfg, info=info)
+        with unanimous():  # every rank decides alike from the one checkpoint
+            resize = plan_resize(cfg.elastic, found=found, run=cfg, info=info)
         cfg = resize.adjust(cfg) if resize else cfg  # its batch and accumulation from here on
         boundary.check_join(cfg)  # uneven=join vs the accumulation a resize chose
         config = boundary.plain(cfg) | ({"resize": resize.record()} if resize else {})
@@ -392,7 +398,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         name, _ = objective(built.trainer.task, cfg.selection.monitor, cfg.selection.mode)
         return built.evaluation.latest().values[name]
     except ConfigError as exc:  # one sentence, no traceback: the message says the fix
-        say_refusal(info.rank, str(exc))  # every rank met it; rank 0 says it
+        say_refusal(exc, info.rank)  # one every rank met alike: rank 0 says it
         exit_code = EXIT_CONFIG_ERROR
         raise SystemExit(EXIT_CONFIG_ERROR) from None
     except Exception as exc:
@@ -419,11 +425,12 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(raw: DictConfig) -> float:
     try:
-        cfg = boundary.typed(raw)  # the schema dataclasses, unknown keys refused
-        boundary.check(cfg)  # every startup check, before any process or builder
+        with unanimous():  # under torchrun every process of a node checks the same config
+            cfg = boundary.typed(raw)  # the schema dataclasses, unknown keys refused
+            boundary.check(cfg)  # every startup check, before any process or builder
         return launch.launch(train, cfg, run_identity.current_run())
-    except ConfigError as exc:  # under torchrun every rank checks the config: rank 0 says it
-        say_refusal(distributed.env_rank(), str(exc))
+    except ConfigError as exc:  # a node's refusal: its first process says it
+        say_refusal(exc, distributed.env_local_rank())
         sys.exit(EXIT_CONFIG_ERROR)
 
 

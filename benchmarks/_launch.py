@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = "benchmarks/_first_step_probe.py"
@@ -90,6 +91,81 @@ def emit(result: dict, out: str | None, rank: int) -> None:
     if out:
         with open(out.replace("{rank}", str(rank)), "w") as f:
             json.dump(result, f, indent=1)
+
+
+def on_ranks(ranks: Any, args: Any, script: str) -> None:
+    """A rank (under torchrun) runs ``ranks(args)``; the command itself starts ``script`` on
+    two ranks under torchrun and exits with its status."""
+    if "LOCAL_RANK" in os.environ:
+        ranks(args)
+        return
+    sys.exit(under_torchrun(script))
+
+
+def publish(text: str, out: Path | None) -> None:
+    """A report to the console, and to ``out`` if given."""
+    print(text)
+    if out:
+        out.write_text(text + "\n")
+
+
+def under_torchrun(script: str, nproc: int = 2) -> int:
+    """Start ``script`` (with this process's arguments) on ``nproc`` ranks under torchrun, the
+    package and the repository importable: a script that builds ``train.build`` on its ranks."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    command = [*launcher, f"--nproc-per-node={nproc}", script, *sys.argv[1:]]
+    return subprocess.run(command, env=env).returncode
+
+
+def timed_epochs(tr: Any, state: Any, epochs: int) -> float:
+    """``epochs`` epochs of ``engine.train_one_epoch`` (no step hook, no logging), timed between
+    barriers: every rank starts and ends together."""
+    import torch.distributed as dist
+
+    from ddp_template.engine import train_one_epoch
+
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(epochs):
+        state.epoch, state.position = state.epoch + 1, 0
+        tr.sampler.set_epoch(state.epoch)
+        stats = train_one_epoch(tr, state, lambda s: False, lambda row, step: None)
+        assert stats.steps == tr.schedule.steps_per_epoch, stats.steps
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def ratios(seconds: dict[str, list[float]], variant: str, base: str) -> list[float]:
+    """``variant``'s time over ``base``'s, round by round."""
+    return [a / b for a, b in zip(seconds[variant], seconds[base], strict=True)]
+
+
+def paired_table(
+    seconds: dict[str, list[float]], base: str, *, epochs: int, steps: int, note: str = ""
+) -> list[str]:
+    """The report of paired rounds on the default job: its line, and a table of each
+    variant's ms per step (median, range) and the median of its ratios to ``base`` taken
+    within each round."""
+    import statistics
+
+    per_step_ms = 1000 / (epochs * steps)
+    rows = [
+        f"default job (digits, small_cnn, batch 32), 2 ranks, gloo, CPU; {epochs} epochs x "
+        f"{steps} steps per measurement, {len(seconds[base])} paired rounds{note} (load "
+        f"{os.getloadavg()[0]:.2f})",
+        "",
+        f"| variant | ms/step (median) | min-max | vs {base} (median of paired ratios) |",
+        "|---|---|---|---|",
+    ]
+    for variant, times in seconds.items():
+        paired = ratios(seconds, variant, base)
+        ms = [t * per_step_ms for t in times]
+        rows.append(
+            f"| {variant} | {statistics.median(ms):.2f} | {min(ms):.2f}-{max(ms):.2f} | "
+            f"{statistics.median(paired):.3f}x ({min(paired):.3f}-{max(paired):.3f}) |"
+        )
+    return rows
 
 
 def preamble(command: str, nproc: int, repeats: int, loads: list[float], rotated: str) -> list[str]:

@@ -21,16 +21,15 @@ within a round, so drifts in the machine's load hit every variant alike.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
+
+from _launch import on_ranks, paired_table, publish, ratios, timed_epochs  # noqa: E402
 
 VARIANTS = ("planned", "agreement", "planned (A/A)")
 
@@ -48,13 +47,12 @@ class StreamForm:
 
 
 def ranks(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
     from hydra import compose, initialize_config_dir
 
     import train
     from ddp_template import distributed
     from ddp_template.config import boundary
-    from ddp_template.engine import PlannedFeed, TrainState, train_one_epoch
+    from ddp_template.engine import PlannedFeed, TrainState
     from ddp_template.streams.stop import Agreement
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
@@ -68,15 +66,7 @@ def ranks(args: argparse.Namespace) -> None:
     def measure(variant: str) -> float:
         tr.feed = agreement if variant == "agreement" else PlannedFeed()
         tr.loader = StreamForm(planned) if variant == "agreement" else planned
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(args.epochs):
-            state.epoch, state.position = state.epoch + 1, 0
-            tr.sampler.set_epoch(state.epoch)
-            stats = train_one_epoch(tr, state, lambda s: False, lambda row, step: None)
-            assert stats.steps == tr.schedule.steps_per_epoch, (variant, stats.steps)
-        dist.barrier()
-        return time.perf_counter() - start
+        return timed_epochs(tr, state, args.epochs)
 
     measure("planned")  # warm-up: allocator, threads, the first steps
     seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -91,34 +81,15 @@ def ranks(args: argparse.Namespace) -> None:
 
 
 def report(args: argparse.Namespace, seconds: dict[str, list[float]], steps: int) -> None:
-    base = seconds["planned"]
-    lines = [
-        f"default job (digits, small_cnn, batch 32), 2 ranks, gloo, CPU; {args.epochs} epochs "
-        f"x {steps} steps per measurement, {args.rounds} paired rounds "
-        f"(load {os.getloadavg()[0]:.2f})",
-        "",
-        "| variant | ms/step (median) | min-max | vs planned (median of paired ratios) |",
-        "|---|---|---|---|",
-    ]
-    per_step = 1000 / (args.epochs * steps)
-    for v in VARIANTS:
-        ratios = [a / b for a, b in zip(seconds[v], base, strict=True)]
-        ms = [s * per_step for s in seconds[v]]
-        lines.append(
-            f"| {v} | {statistics.median(ms):.2f} | {min(ms):.2f}-{max(ms):.2f} | "
-            f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) |"
-        )
-    aa = [a / b for a, b in zip(seconds["planned (A/A)"], base, strict=True)]
-    agreed = [a / b for a, b in zip(seconds["agreement"], base, strict=True)]
+    lines = paired_table(seconds, "planned", epochs=args.epochs, steps=steps)
+    aa = ratios(seconds, "planned (A/A)", "planned")
+    agreed = ratios(seconds, "agreement", "planned")
     lines.append(
         f"\nagreement / planned: median {statistics.median(agreed):.3f}x "
         f"({min(agreed):.3f}-{max(agreed):.3f}); A/A (planned / planned again): median "
         f"{statistics.median(aa):.3f}x ({min(aa):.3f}-{max(aa):.3f})"
     )
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    publish("\n".join(lines), args.out)
 
 
 def main() -> None:
@@ -126,13 +97,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    if "LOCAL_RANK" in os.environ:
-        ranks(args)
-        return
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    sys.exit(subprocess.run([*launcher, __file__, *sys.argv[1:]], env=env).returncode)
+    on_ranks(ranks, parser.parse_args(), __file__)
 
 
 if __name__ == "__main__":

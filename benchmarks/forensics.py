@@ -9,6 +9,8 @@ built by ``train.build`` on each rank (the script starts itself under torchrun) 
 * ``off``: a trainer built with ``spike.factor=null``: no spike rule;
 * ``spike``: one built with the default rule (record only): each micro-batch held with its RNG
   state, the step's loss read on the host and judged against the rank's window;
+* ``skip``: one built with ``spike.skip=true``: the same, and the ranks' verdicts all-reduced
+  every step (what skipping needs);
 * ``off (A/A)``: ``off`` again: the noise floor of a ratio.
 
 A measurement is ``--epochs`` epochs (23 steps each) timed on rank 0 between barriers. Rounds
@@ -21,9 +23,7 @@ and without the seal (paired, ``--saves`` each round) and the data's identity ta
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("off", "spike", "off (A/A)")
+from _launch import on_ranks, paired_table, publish, ratios, timed_epochs  # noqa: E402
+
+VARIANTS = ("off", "spike", "skip", "off (A/A)")
 
 
 def ranks(args: argparse.Namespace) -> None:
@@ -43,34 +45,28 @@ def ranks(args: argparse.Namespace) -> None:
     from ddp_template import distributed
     from ddp_template.config import boundary
     from ddp_template.data.identity import identify
-    from ddp_template.engine import TrainState, train_one_epoch
+    from ddp_template.engine import TrainState
     from ddp_template.provenance import build_chain
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         raw = compose("config", overrides=["backend=gloo", "logger=none"])
         off = compose("config", overrides=["backend=gloo", "logger=none", "spike.factor=null"])
+        skip = compose("config", overrides=["backend=gloo", "logger=none", "spike.skip=true"])
     cfg = boundary.typed(raw)
     info = distributed.setup(cfg.backend)
     built = train.build(cfg, info)
     plain = train.build(boundary.typed(off), info).trainer
+    agreeing = train.build(boundary.typed(skip), info).trainer
     spikes = built.trainer.spikes
-    states = {"spike": TrainState(), "off": TrainState()}
+    trainers = {"spike": built.trainer, "skip": agreeing, "off": plain, "off (A/A)": plain}
+    states = {"spike": TrainState(), "skip": TrainState(), "off": TrainState()}
     fired = 0
 
     def measure(variant: str) -> float:
         nonlocal fired
-        tr = built.trainer if variant == "spike" else plain
-        state = states["spike" if variant == "spike" else "off"]
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(args.epochs):
-            state.epoch, state.position = state.epoch + 1, 0
-            tr.sampler.set_epoch(state.epoch)
-            stats = train_one_epoch(tr, state, lambda s: False, lambda row, step: None)
-            assert stats.steps == tr.schedule.steps_per_epoch, (variant, stats.steps)
-        dist.barrier()
-        fired += len(spikes.take())
-        return time.perf_counter() - start
+        took = timed_epochs(trainers[variant], states.get(variant, states["off"]), args.epochs)
+        fired += len(spikes.take()) + len(agreeing.spikes.take())
+        return took
 
     chain = build_chain(cfg, run="bench", data=built.data)
     ckpt = train.checkpointer(cfg, built, states["spike"], chain, Path("/tmp"), "")
@@ -87,7 +83,7 @@ def ranks(args: argparse.Namespace) -> None:
     seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
     saves: dict[bool, list[float]] = {False: [], True: []}
     for r in range(args.rounds):
-        for variant in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:
+        for variant in VARIANTS[r % 4 :] + VARIANTS[: r % 4]:
             seconds[variant].append(measure(variant))
         for sealed in (r % 2 == 0, r % 2 == 1):
             saves[sealed].append(payload(sealed))
@@ -129,33 +125,19 @@ def report(
     steps: int,
     fired: int,
 ) -> None:
-    base = seconds["off"]
-    lines = [
-        f"default job (digits, small_cnn, batch 32), 2 ranks, gloo, CPU; {args.epochs} epochs "
-        f"x {steps} steps per measurement, {args.rounds} paired rounds, spikes fired: {fired} "
-        f"(load {os.getloadavg()[0]:.2f})",
-        "",
-        "| variant | ms/step (median) | min-max | vs off (median of paired ratios) |",
-        "|---|---|---|---|",
-    ]
+    note = f", spikes fired: {fired}"
+    lines = paired_table(seconds, "off", epochs=args.epochs, steps=steps, note=note)
+    aa, spike, skip = (ratios(seconds, v, "off") for v in ("off (A/A)", "spike", "skip"))
     per_step = 1000 / (args.epochs * steps)
-    for v in VARIANTS:
-        ratios = [a / b for a, b in zip(seconds[v], base, strict=True)]
-        ms = [s * per_step for s in seconds[v]]
-        lines.append(
-            f"| {v} | {statistics.median(ms):.2f} | {min(ms):.2f}-{max(ms):.2f} | "
-            f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) |"
-        )
-    aa = [a / b for a, b in zip(seconds["off (A/A)"], base, strict=True)]
-    spike = [a / b for a, b in zip(seconds["spike"], base, strict=True)]
-    step_ms = statistics.median(base) * per_step
+    step_ms = statistics.median(seconds["off"]) * per_step
     sealed = [a - b for a, b in zip(saves[True], saves[False], strict=True)]
     seal_ms = statistics.median(sealed) * 1000
     lines += [
         "",
         f"spike / off: median {statistics.median(spike):.3f}x ({min(spike):.3f}-"
         f"{max(spike):.3f}); A/A (off / off again): median {statistics.median(aa):.3f}x "
-        f"({min(aa):.3f}-{max(aa):.3f})",
+        f"({min(aa):.3f}-{max(aa):.3f}); skip / off: median {statistics.median(skip):.3f}x "
+        f"({min(skip):.3f}-{max(skip):.3f})",
         f"the rule's own work per step, timed alone: {rule_s * 1e6:.1f} us = "
         f"{rule_s * 1000 / step_ms * 100:.2f} % of the {step_ms:.2f} ms step",
         f"chain: sealing a checkpoint's payload adds {seal_ms:.3f} ms (median of paired "
@@ -163,10 +145,7 @@ def report(
         f"{steps} steps: {seal_ms / (steps * step_ms) * 100:.3f} % of a step); the data's "
         f"identity, once per launch: {identity_s * 1000:.1f} ms",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    publish("\n".join(lines), args.out)
 
 
 def main() -> None:
@@ -175,13 +154,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--saves", type=int, default=20)
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    if "LOCAL_RANK" in os.environ:
-        ranks(args)
-        return
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    sys.exit(subprocess.run([*launcher, __file__, *sys.argv[1:]], env=env).returncode)
+    on_ranks(ranks, parser.parse_args(), __file__)
 
 
 if __name__ == "__main__":

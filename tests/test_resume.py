@@ -179,6 +179,10 @@ def test_sigterm_checkpoints_exits_75_then_resumes(reference, tmp_path: Path) ->
     for rank in (0, 1):
         mine = [r for r in runs if r.config["rank"] == rank]
         assert len(mine) == 2 and len({r.run_id for r in mine}) == 1
+    said = [r.summary["resume"] for r in runs if "resume" in r.summary]  # rank 0's second start
+    assert said == [
+        "resume: continues run term, link 0 → 1 at step 8: 0 samples skipped, 0 repeated"
+    ]
 
 
 def _preempt_rank(rank: int, port: int, every: int, signal_at: int, out) -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import PY, ROOT, jsonl, run, run_env, summary, train_cmd
 from poisoned import INDEX
+from wandb_reader import find_runs
 
 from ddp_template.checkpoint import load
 from ddp_template.config.loop import SpikeConfig
@@ -56,7 +57,8 @@ def test_a_poisoned_sample_is_named_and_its_update_skipped(world: int, tmp_path:
     records its part of the step and skips its update, so training is sound; the verdict names
     the skipped samples and each rank's ledger counts them (data/spike_skipped)."""
     name = f"spike{world}"
-    proc = run(train_cmd(tmp_path, *POISONED, f"dist.nproc={world}"), env=_env(name))
+    logged = ["logger=wandb", "logger.layout=main"] if world == 2 else []  # one W&B run
+    proc = run(train_cmd(tmp_path, *POISONED, f"dist.nproc={world}", *logged), env=_env(name))
     run_dir = tmp_path / "outputs" / name
     spikes = _spikes(run_dir, world)
     hits = subprocess.run(
@@ -90,6 +92,17 @@ def test_a_poisoned_sample_is_named_and_its_update_skipped(world: int, tmp_path:
     ]
     assert skipped == [32] * (2 * world)
     assert summary(run_dir)["eval_r2"] > 0.3  # the poison never reached the weights
+    if logged:  # rank 0's W&B run holds every rank's spike samples, gathered each epoch
+        (wb,) = find_runs(run_dir)
+        paths = [row["spikes/samples.path"] for row in wb.history if "spikes/samples.path" in row]
+        assert len(paths) == 2, paths
+        for path, hit in zip(paths, read, strict=True):
+            table = json.loads((wb.path.parent / "files" / path).read_text())
+            rows = [dict(zip(table["columns"], v, strict=True)) for v in table["data"]]
+            assert len(rows) == 32 * world and (rows[0]["rank"], rows[0]["index"]) == (
+                hit["rank"],
+                INDEX,
+            )
 
 
 def test_replay_reproduces_the_losses_and_a_killed_run_resumes_bit_identically(

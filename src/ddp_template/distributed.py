@@ -82,6 +82,10 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def env_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 class BackendChoice(NamedTuple):
     name: str  # gloo or nccl
     why: str  # one clause for the log: what decided it

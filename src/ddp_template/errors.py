@@ -4,7 +4,8 @@ Its message is one sentence that names the key, the bad value and the fix; ``tra
 it without a traceback and exits with ``EXIT_CONFIG_ERROR``.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 EXIT_CONFIG_ERROR = 2
@@ -14,6 +15,22 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 class ConfigError(ValueError):
     """Bad input detected at startup; the message is meant for the user as is."""
+
+
+class Unanimous(ConfigError):
+    """A refusal every rank meets alike, decided from what every rank holds the same (the one
+    checkpoint every rank loads, the config): said once, by rank 0 (``sinks.console``)."""
+
+
+@contextmanager
+def unanimous() -> Iterator[None]:
+    """A ``ConfigError`` raised inside becomes ``Unanimous``."""
+    try:
+        yield
+    except Unanimous:
+        raise
+    except ConfigError as exc:
+        raise Unanimous(str(exc)) from None
 
 
 def require(ok: bool, message: str) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_template.distributed import DistInfo
+from ddp_template.errors import Unanimous
 from ddp_template.ledger.records import EpochReport
 
 log = logging.getLogger("ddp_template")
@@ -38,13 +39,14 @@ def setup_console(info: DistInfo, run_dir: Path) -> None:
             h.setLevel(logging.INFO if info.is_main else logging.WARNING)
 
 
-def say_refusal(rank: int, message: str) -> None:
-    """A refusal, said once: rank 0 logs it (console and train.log); any other rank, which met
-    the same refusal, writes it to its own log file only and exits with the same code."""
-    if rank == 0:
-        log.error("%s", message)
+def say_refusal(exc: Exception, rank: int) -> None:
+    """A refusal (one sentence). One every rank meets alike (``errors.Unanimous``) is said
+    once, by ``rank`` 0, and the other ranks write it to their own log files; any other (data
+    only one rank reads, a mid-run read) by each rank that meets it."""
+    if rank == 0 or not isinstance(exc, Unanimous):
+        log.error("%s", exc)
         return
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (message,), None)
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (str(exc),), None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)

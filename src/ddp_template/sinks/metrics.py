@@ -142,9 +142,11 @@ class RankLogger:
         if report.fired or self.info.is_main:  # agreed skips: rank 0 speaks for the others
             log.warning("%s", report.line(top))
         self.log({"spikes/loss": report.loss, "spikes/median": report.median}, step)
-        self._spikes.append([{"step": step, **asdict(s)} for s in report.samples])
-        if self.layout is None or not self.layout.one_run:
-            self.log_table("spikes/samples", self._spikes.pop(), step)
+        rows = [{"step": step, **asdict(s)} for s in report.samples]
+        if self.layout is not None and self.layout.one_run:  # each rank's own, gathered later
+            self._spikes.append([r for r in rows if r["rank"] == self.info.rank])
+        else:
+            self.log_table("spikes/samples", rows, step)
 
     def log_spikes(self, step: int) -> None:
         """With one W&B run (``main``, ``shared``): the epoch's spike samples of every rank to
