@@ -51,20 +51,33 @@ def _spikes(run_dir: Path, world: int) -> list[list[dict]]:
     return [steps[s] for s in sorted(steps)]
 
 
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The poisoned run on one rank: its run directory and what it said."""
+    out = tmp_path_factory.mktemp("spike1")
+    proc = run(train_cmd(out, *POISONED), env=_env("whole"))
+    return out / "outputs" / "whole", proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_a_poisoned_sample_is_named_and_its_update_skipped(world: int, tmp_path: Path) -> None:
+def test_a_poisoned_sample_is_named_and_its_update_skipped(
+    world: int, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """Each epoch, the rank replay says read INDEX fires and names it first; every rank
     records its part of the step and skips its update, so training is sound; the verdict names
     the skipped samples and each rank's ledger counts them (data/spike_skipped)."""
-    name = f"spike{world}"
     logged = ["logger=wandb", "logger.layout=main"] if world == 2 else []  # one W&B run
-    proc = run(train_cmd(tmp_path, *POISONED, f"dist.nproc={world}", *logged), env=_env(name))
-    run_dir = tmp_path / "outputs" / name
+    if world == 1:
+        run_dir, said = request.getfixturevalue("one_rank")
+    else:
+        overrides = [*POISONED, f"dist.nproc={world}", *logged]
+        proc = run(train_cmd(tmp_path, *overrides), env=_env(f"spike{world}"))
+        run_dir, said = tmp_path / "outputs" / f"spike{world}", proc.stdout + proc.stderr
     spikes = _spikes(run_dir, world)
     hits = subprocess.run(
         [PY, "-m", "ddp_template.replay", str(run_dir), "--index", str(INDEX), "--json"],
         cwd=ROOT,
-        env=_env(name),
+        env=_env(run_dir.name),
         capture_output=True,
         text=True,
         check=True,
@@ -80,7 +93,6 @@ def test_a_poisoned_sample_is_named_and_its_update_skipped(world: int, tmp_path:
         assert fired["loss"] > 10 * fired["median"]
         assert fired["samples"][0]["loss"] > 100 * fired["median"]
         assert sum(len(r["samples"]) for r in records) == 32 * world  # the whole step
-    said = proc.stdout + proc.stderr
     assert f"highest per-sample losses: index {INDEX} (rank " in said
     verdicts = [line for line in said.splitlines() if "verdict ok; step " in line]
     assert len(verdicts) == 2 and all("skipped by the spike rule" in v for v in verdicts), said
@@ -106,14 +118,13 @@ def test_a_poisoned_sample_is_named_and_its_update_skipped(world: int, tmp_path:
 
 
 def test_replay_reproduces_the_losses_and_a_killed_run_resumes_bit_identically(
-    tmp_path: Path,
+    one_rank: tuple[Path, str], tmp_path: Path
 ) -> None:
     """One rank: the uninterrupted run's first spike at step S; the same run checkpointed every
     step and killed at S (after its spike was judged): replay --step S --losses of its
     checkpoint of step S-1 gives the spike's per-sample losses; resumed, it ends with the
     uninterrupted run's weights, its second spike and both verdict notes."""
-    run(train_cmd(tmp_path, *POISONED), env=_env("whole"))
-    whole = tmp_path / "outputs" / "whole"
+    whole, _ = one_rank
     (first,) = _spikes(whole, 1)[0]
     step = first["step"]
     cut = ["checkpoint.every_steps=1", f"fault.crash_at_step={step}"]
