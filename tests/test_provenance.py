@@ -109,25 +109,23 @@ def test_a_run_resumed_twice_once_at_another_world_size_prints_its_chain(
     assert "  break: world size 2 → 3 (elastic resume)" in printed
 
 
-def test_a_changed_split_is_refused_naming_it_and_nothing_is_written(
-    chained: Path, tmp_path: Path
-) -> None:
-    """The resume of the issue: another data.split_seed under a run trains on what it tested
-    on; refused in one sentence naming the key, both values and the fix."""
-    run_dir = _copy(chained, tmp_path, "prov")
-    before = (run_dir / "checkpoints/last.pt").read_bytes()
-    proc = run(
-        train_cmd(tmp_path, "dist.nproc=2", *SAVES, "data.split_seed=1"),
-        env=run_env(RUN_ID="prov"),
-        check=False,
-    )
+def test_a_changed_split_is_refused_naming_it_and_nothing_is_written(tmp_path: Path) -> None:
+    """The resume of the issue: `python train.py epochs=1`, then the same run directory with
+    `epochs=2 data.split_seed=1`, which would train on what epoch 0 tested on: refused in one
+    sentence naming the key, both values and the fix; the checkpoint untouched."""
+    env = run_env(RUN_ID="split")
+    run(train_cmd(tmp_path, "epochs=1"), env=env)
+    last = tmp_path / "outputs" / "split" / "checkpoints" / "last.pt"
+    before = last.read_bytes()
+    proc = run(train_cmd(tmp_path, "epochs=2", "data.split_seed=1"), env=env, check=False)
     errors = [line for line in _said(proc).splitlines() if "ERROR" in line]
     assert proc.returncode == 2 and len(errors) == 1, _said(proc)[-3000:]
     assert (
-        "data.split_seed is 1 but the run it continues had 0; resume with data.split_seed=0, "
-        "accept the change with provenance.allow=[order]"
+        "was written on other data or in another order: data.split_seed is 1 but the run it "
+        "continues had 0; resume with data.split_seed=0, accept the change with "
+        "provenance.allow=[order]"
     ) in errors[0]
-    assert (run_dir / "checkpoints/last.pt").read_bytes() == before
+    assert last.read_bytes() == before
 
 
 # ------------------------------------------------------------------------------------ tamper
