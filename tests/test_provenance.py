@@ -207,3 +207,13 @@ def test_data_changed_under_a_run_is_refused_and_continues_when_allowed(tmp_path
     assert chain[0]["data"]["fingerprint"] != chain[1]["data"]["fingerprint"]
     assert chain[1]["breaks"] and "(provenance.allow=data)" in chain[1]["breaks"][0]
     assert chain[1]["data"]["length"] == 1400
+
+
+def test_the_chain_command_refuses_what_is_not_a_checkpoint(tmp_path: Path, capsys) -> None:
+    from ddp_template.provenance import main
+
+    assert main([str(tmp_path / "nothing")]) == 2
+    assert "does not exist; give a run directory or a checkpoint file" in capsys.readouterr().err
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    assert main([str(tmp_path / "junk.pt")]) == 2
+    assert "cannot be read" in capsys.readouterr().err

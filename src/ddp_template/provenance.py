@@ -280,6 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     path = args.where / "checkpoints" / "last.pt" if args.where.is_dir() else args.where
     from ddp_template.checkpoint import load
 
+    if not path.is_file():
+        print(
+            f"error: {path} does not exist; give a run directory or a checkpoint file.",
+            file=sys.stderr,
+        )
+        return 2
     try:
         payload = load(path, fix="give a run directory or a checkpoint written by train.py")
     except ConfigError as exc:

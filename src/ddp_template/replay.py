@@ -311,6 +311,8 @@ def step_losses(run: Run, rows: list[dict[str, Any]], checkpoint: Path) -> str:
     as spike forensics computes them (``spike.sample_losses``): the checkpoint's weights, the
     rank's RNG state from it, the rank's micro-batches in train mode. Exact with a checkpoint of
     the step before (what the step ran with); returns what the checkpoint is, for the reader."""
+    if not checkpoint.is_file():
+        raise ConfigError(f"--losses {checkpoint} does not exist; pass a checkpoint of this run.")
     payload = load_checkpoint(checkpoint, fix="pass a checkpoint of this run with --losses")
     cfg, first = run.cfg, rows[0]
     splits = apply_transforms(build_splits(cfg.data), cfg.transforms, cfg.seed)
