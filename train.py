@@ -149,7 +149,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         keep_indices=sampler.dataset_size <= cfg.share_report_max_n,
         task=task,
         feed=kind.feed(cfg, info, switches),  # how batches come and the epoch ends
-        spikes=build_spikes(cfg.spike, task, info, amp_mode),  # names a spike's samples
+        spikes=build_spikes(cfg.spike, task, info, amp_mode, syncbn=cfg.syncbn.enabled),
     )
     evaluation = build_evaluation(
         final=str(cfg.eval_split),

@@ -249,3 +249,17 @@ def test_a_task_s_default_sample_losses_are_each_sample_s_loss_alone() -> None:
     assert torch.allclose(
         regression.sample_losses(pred, target), (pred - target).square().mean(dim=1), rtol=1e-6
     )
+
+
+def test_with_syncbn_a_spike_on_one_rank_reruns_its_step_on_every_rank(tmp_path: Path) -> None:
+    """SyncBN's forward is a collective: a step one rank's rule catches re-runs on every rank
+    (they judge together), so nobody waits alone; each rank records its part of the step."""
+    rule = ["spike.factor=1.01", "spike.window=3", "spike.after=3"]  # fires on noise
+    run(train_cmd(tmp_path, "dist.nproc=2", "syncbn=on", "epochs=1", *rule), env=_env("sync"))
+    records = [jsonl(tmp_path / "outputs" / "sync" / f"rank{r}" / "spikes.jsonl") for r in (0, 1)]
+    steps = [[r["step"] for r in mine] for mine in records]
+    assert steps[0] and steps[0] == steps[1]
+    fired = [[r["fired"] for r in mine] for mine in records]
+    assert all(a or b for a, b in zip(*fired, strict=True))
+    assert any(a != b for a, b in zip(*fired, strict=True))  # one rank's rule alone
+    assert all(r["samples"] for mine in records for r in mine)  # each rank its own part

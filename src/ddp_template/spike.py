@@ -14,10 +14,11 @@ gradient, the running statistics put back), which is what ``replay --step S --lo
 
 With ``spike.skip`` the ranks agree on every step (one all-reduce of the ranks' verdicts a step,
 before the optimizer steps; under ``uneven=join`` the joined ranks shadow it): when any rank's
-rule fires, every rank records its samples, gathered into one report of the whole step, and
-the step's update is skipped (its gradients dropped, the running statistics its forwards moved
-put back, the LR schedule still advancing). The samples were read, so the ledger counts them,
-and the epoch's verdict names them as skipped by the rule.
+rule fires, every rank records its samples, gathered into one report of the whole step (so do
+they with ``syncbn=on``, whose forward is itself a collective: a step re-runs on every rank or
+on none), and the step's update is skipped (its gradients dropped, the running statistics its
+forwards moved put back, the LR schedule still advancing). The samples were read, so the
+ledger counts them, and the epoch's verdict names them as skipped by the rule.
 
 Each rank's window is a per-rank checkpoint part, so a resumed run judges every later step as
 the uninterrupted run does (at another world size each new rank's window starts empty).
@@ -147,6 +148,10 @@ class Spikes:
     task: Task
     info: DistInfo
     amp_mode: str
+    # Every rank judges each step with the others (one all-reduce of the verdicts): to skip an
+    # update all or none, and where the model's forward is itself a collective (SyncBN), so a
+    # spike's step re-runs on every rank or on none.
+    together: bool = False
     recent: deque[float] = field(default_factory=deque)  # this rank's last steps' losses
     pending: list[SpikeReport] = field(default_factory=list)  # for the metrics sink
     skips: list[tuple[int, int, list[int]]] = field(default_factory=list)  # epoch, step, idx
@@ -181,7 +186,7 @@ class Spikes:
         judged = len(self.recent) >= self.cfg.after
         fired = count > 0 and (not finite or (judged and loss > self.cfg.factor * self.median))
         agreed = fired
-        if self.cfg.skip:  # every rank skips, or none: one verdict for the step
+        if self.together:  # one verdict for the step, on every rank
             votes = torch.tensor([float(fired)], device=self.info.device)
             agreed = bool(all_reduce_sum(votes, self.info).item())
         if agreed:
@@ -197,9 +202,9 @@ class Spikes:
 
     def shadow(self, step: int, epoch: int) -> None:
         """A rank whose stream ended (``uneven=join``) meets the others' collectives of the
-        step (``spike.skip``: the verdicts, and a spike's gather) with no samples of its own."""
+        step (judged together: the verdicts, and a spike's gather) with no samples of its own."""
         self._held, self._losses, self._buffers = [], [], []
-        if self.cfg.skip:
+        if self.together:
             self.judge(nn.Identity(), step, epoch)
 
     @property
@@ -211,7 +216,7 @@ class Spikes:
     ) -> None:
         indices, losses = sample_losses(module, self.task, held, self.amp_mode, self.info.device)
         mine = (indices.tolist(), losses.tolist())
-        ranks = gather_objects(mine, self.info) if self.cfg.skip else None  # the whole step
+        ranks = gather_objects(mine, self.info) if self.together else None  # the whole step
         rows = enumerate(ranks) if ranks is not None else [(self.info.rank, mine)]
         samples = [
             SpikeSample(rank=r, index=int(i), loss=float(v))
@@ -268,6 +273,12 @@ class Spikes:
         return "the spike rule's window starts empty"
 
 
-def build_spikes(cfg: SpikeConfig, task: Task, info: DistInfo, amp_mode: str) -> Spikes | None:
-    """The ``spike`` group's builder: None with ``spike.factor=null``."""
-    return Spikes(cfg=cfg, task=task, info=info, amp_mode=amp_mode) if cfg.on else None
+def build_spikes(
+    cfg: SpikeConfig, task: Task, info: DistInfo, amp_mode: str, *, syncbn: bool
+) -> Spikes | None:
+    """The ``spike`` group's builder: None with ``spike.factor=null``; the ranks judge together
+    with ``spike.skip``, or where the forward is a collective (``syncbn``)."""
+    if not cfg.on:
+        return None
+    together = info.distributed and (cfg.skip or syncbn)
+    return Spikes(cfg=cfg, task=task, info=info, amp_mode=amp_mode, together=together)
