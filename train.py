@@ -238,11 +238,8 @@ def rescale_horizon(cfg: Config, built: Built, state: TrainState) -> None:
 def continuity(chain: Chain, link: Link | None, tr: Trainer, state: TrainState) -> str:
     """The epoch read before the resume against what the restored sampler puts there, on every
     rank (a collective): the samples skipped and repeated, or a refusal."""
-    mine = (0, 0, [])
-    if hasattr(tr.sampler, "index_at"):  # a planned sampler (a stream resumes at epoch ends)
-        mine = resumed_prefix(
-            tr.sampler, state.position, state.carried, state.prior, rank=tr.info.rank
-        )
+    # A stream resumes only at an epoch's end (position 0, no prefix): nothing to prove.
+    mine = resumed_prefix(tr.sampler, state.position, state.carried, state.prior, rank=tr.info.rank)
     rows = distributed.gather_objects(mine, tr.info)
     wrong = [w for _, _, ws in rows for w in ws]
     if wrong:  # every rank holds the same rows: a refusal they all meet
@@ -373,7 +370,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         logger = RankLogger(cfg=cfg.logger, run=run, info=info, config=config)  # W&B starts
         built = build(cfg, info)  # ...while this builds
         state = TrainState()
-        chain = build_chain(cfg, run=run.run_id, data=built.data)
+        chain = build_chain(cfg, plain=config, run=run.run_id, data=built.data)
         ckpt = checkpointer(cfg, built, state, chain, run.run_dir, OmegaConf.to_yaml(config))
         line = resume(cfg, built, ckpt, chain, state, found, resize)
         if info.is_main:

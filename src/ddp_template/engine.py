@@ -158,10 +158,8 @@ def _forward_backward(
         with autocast(tr.amp_mode, tr.info.device):
             # An empty micro-batch's mean is NaN; its sum is 0, so are its gradients, and its
             # backward still runs DDP's all-reduce: the rank contributes zero and nobody hangs.
-            n = batch_len(y)
-            loss = tr.task.loss(tr.model(x), y, "mean" if n else "sum")
-        if tr.spikes is not None:
-            tr.spikes.count(loss, n)
+            reduction = "mean" if batch_len(y) else "sum"
+            loss = tr.task.loss(tr.model(x), y, reduction)
         tr.scaler.scale(loss if weight == 1.0 else loss * weight).backward()
     return loss.detach()
 
@@ -253,6 +251,8 @@ def train_one_epoch(
             stats.tally.add(idx.numpy(), *worker)
             loss_acc += loss * len(idx)
             interval_n += len(idx)
+            if tr.spikes is not None:
+                tr.spikes.count(loss, len(idx))
             if not last:
                 waited = time.perf_counter()
                 continue
