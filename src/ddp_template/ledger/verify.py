@@ -14,6 +14,7 @@ fastest's.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -124,25 +125,34 @@ def own_check(
     return row
 
 
+def old_ranks(
+    sampler: Any, prior: list[PriorSegment], rank: int
+) -> Iterator[tuple[int, Any, int, PriorSegment]]:
+    """This epoch's prefixes read at other world sizes, as ``(segment, its sampler, old rank
+    q, prefix)`` for the old ranks this rank checks: q mod W = ``rank``."""
+    for i, prefix in enumerate(prior):
+        old = sampler.prefix_sampler(i)
+        for q in range(rank, old.num_replicas, sampler.num_replicas):
+            yield i, old, q, prefix
+
+
 def prior_checks(sampler: Any, prior: list[PriorSegment], *, rank: int) -> list[PriorCheck]:
     """The old ranks' ledgers of this epoch's prefixes against what their samplers defined:
     old rank q is checked by rank q mod W (O(prefix / W) per rank)."""
     checks = []
-    for i, prefix in enumerate(prior):
-        old = sampler.prefix_sampler(i)
-        for q in range(rank, old.num_replicas, sampler.num_replicas):
-            ledger = prefix["ledgers"][q]
-            samples = int(ledger["samples"])
-            count = min(samples, old.length_of(q))
-            check = PriorCheck(
-                segment=i,
-                world_size=old.num_replicas,
-                rank=q,
-                samples=samples,
-                fingerprint=int(ledger["fingerprint"]),
-                expected=expected_fingerprint(old, q, 0, count),
-            )
-            checks.append(check)
+    for i, old, q, prefix in old_ranks(sampler, prior, rank):
+        ledger = prefix["ledgers"][q]
+        samples = int(ledger["samples"])
+        count = min(samples, old.length_of(q))
+        check = PriorCheck(
+            segment=i,
+            world_size=old.num_replicas,
+            rank=q,
+            samples=samples,
+            fingerprint=int(ledger["fingerprint"]),
+            expected=expected_fingerprint(old, q, 0, count),
+        )
+        checks.append(check)
     return checks
 
 
@@ -160,10 +170,9 @@ def resumed_prefix(
     samples skipped and repeated (count differences) and each read whose count matches but
     whose fingerprint does not (other samples were read)."""
     reads = [(sampler, rank, position, carried)] if position else []
-    for i, prefix in enumerate(prior):
-        old = sampler.prefix_sampler(i)
-        for q in range(rank, old.num_replicas, sampler.num_replicas):
-            reads.append((old, q, prefix["position"], prefix["ledgers"][q]))
+    reads += [
+        (old, q, p["position"], p["ledgers"][q]) for _, old, q, p in old_ranks(sampler, prior, rank)
+    ]
     skipped = repeated = 0
     wrong = []
     for s, q, pos, ledger in reads:
