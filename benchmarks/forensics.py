@@ -68,7 +68,7 @@ def ranks(args: argparse.Namespace) -> None:
         fired += len(spikes.take()) + len(agreeing.spikes.take())
         return took
 
-    chain = build_chain(cfg, run="bench", data=built.data)
+    chain = build_chain(cfg, plain=boundary.plain(cfg), run="bench", data=built.data)
     ckpt = train.checkpointer(cfg, built, states["spike"], chain, Path("/tmp"), "")
 
     def payload(sealed: bool) -> float:

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from ddp_template.config.boundary import plain
 from ddp_template.config.schema import Config
 from ddp_template.data.identity import DataIdentity
 from ddp_template.errors import ConfigError
@@ -71,11 +70,11 @@ def link_hash(link: Link) -> str:
     return _digest({k: v for k, v in link.items() if k != "hash"})
 
 
-def order_keys(cfg: Config) -> Order:
-    """The config keys that decide the data and its order: ``seed``, ``max_steps_per_epoch``,
-    every ``sampler`` key and every ``data`` key but where the data lives."""
-    whole = plain(cfg)
-    keys: dict[str, Any] = {"seed": whole["seed"], "max_steps_per_epoch": cfg.max_steps_per_epoch}
+def order_keys(whole: dict[str, Any]) -> Order:
+    """The config keys that decide the data and its order, from the config as plain containers
+    (``config.boundary.plain``): ``seed``, ``max_steps_per_epoch``, every ``sampler`` key and
+    every ``data`` key but where the data lives."""
+    keys: dict[str, Any] = {k: whole[k] for k in ("seed", "max_steps_per_epoch")}
     keys |= {f"sampler.{k}": v for k, v in whole["sampler"].items()}
     keys |= {f"data.{k}": v for k, v in sorted(whole["data"].items()) if k not in _PLACE}
     keys = json.loads(json.dumps(keys, default=str))
@@ -246,15 +245,16 @@ def _show(value: Any) -> str:
     return json.dumps(value, default=str) if isinstance(value, dict | list) else str(value)
 
 
-def build_chain(cfg: Config, *, run: str, data: DataIdentity) -> Chain:
-    """The ``provenance`` group's builder: this launch's facts and what it may change."""
+def build_chain(cfg: Config, *, plain: dict[str, Any], run: str, data: DataIdentity) -> Chain:
+    """The ``provenance`` group's builder: this launch's facts and what it may change
+    (``plain``: the config as plain containers, which the run already made for its logs)."""
     sampler = {
         "mode": str(cfg.sampler.mode),
         "permutation": str(cfg.sampler.permutation),
         "seed": cfg.sampler.seed if cfg.sampler.seed is not None else cfg.seed,
     }
     allow = frozenset(str(a) for a in cfg.provenance.allow)
-    return Chain(run=run, sampler=sampler, data=data, order=order_keys(cfg), allow=allow)
+    return Chain(run=run, sampler=sampler, data=data, order=order_keys(plain), allow=allow)
 
 
 def describe_link(link: Link) -> list[str]:
