@@ -42,6 +42,7 @@ from torch.utils.data import Dataset, default_collate
 from ddp_template.checkpoint import load as load_checkpoint
 from ddp_template.config import boundary
 from ddp_template.config.schema import Config
+from ddp_template.data.contract import Splits
 from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.data.kind import DataKind, kind_of
 from ddp_template.data.sampler_modes import SAMPLER_MODES
@@ -85,10 +86,14 @@ class Run:
     run_dir: Path
     cfg: Config
     world_size: int  # the first segment's
-    train: Dataset
+    splits: Splits  # the run's data, built from its config
     kind: DataKind  # the training data's kind: it builds the sampler
     schedule: EpochSteps  # the first segment's epochs
     pieces: tuple[Piece, ...] = ()
+
+    @property
+    def train(self) -> Dataset:
+        return self.splits.train
 
     def sampler(self, rank: int, world_size: int | None = None) -> ShareSampler:
         """Rank ``rank``'s training sampler, built exactly as ``train.py`` builds it."""
@@ -132,7 +137,7 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
         run_dir=run_dir,
         cfg=cfg,
         world_size=world,
-        train=train,
+        splits=splits,
         kind=kind_of(splits),
         schedule=schedule,
     )
@@ -315,7 +320,7 @@ def step_losses(run: Run, rows: list[dict[str, Any]], checkpoint: Path) -> str:
         raise ConfigError(f"--losses {checkpoint} does not exist; pass a checkpoint of this run.")
     payload = load_checkpoint(checkpoint, fix="pass a checkpoint of this run with --losses")
     cfg, first = run.cfg, rows[0]
-    splits = apply_transforms(build_splits(cfg.data), cfg.transforms, cfg.seed)
+    splits = apply_transforms(run.splits, cfg.transforms, cfg.seed)
     splits.set_epoch(first["epoch"])
     model = build_model(cfg.model, splits.info)
     try:
