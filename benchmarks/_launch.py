@@ -85,8 +85,13 @@ def run_tag(variant: str, round_: int) -> str:
     return f"{variant}-{round_}-{time.strftime('%H%M%S')}"
 
 
-def emit(result: dict, out: str | None, rank: int) -> None:
-    """A bare loop's rank result: one JSON line, and ``out`` (``{rank}`` replaced) if given."""
+def emit(result: dict, out: str | None, rank: int, world: int) -> None:
+    """A bare loop's rank result, with the rank, world size and the peak resident memory: one
+    JSON line, and ``out`` (``{rank}`` replaced) if given."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result = {"rank": rank, "world_size": world, **result, "peak_rss_mib": peak}
     print(json.dumps(result))
     if out:
         with open(out.replace("{rank}", str(rank)), "w") as f:

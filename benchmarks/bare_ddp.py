@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import resource
 import time
 
 
@@ -139,14 +138,11 @@ def main() -> None:
         )
 
     result = {
-        "rank": rank,
-        "world_size": world,
         "first_step_s": first_step_s,
         "epochs": epochs,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     dist.destroy_process_group()
-    emit(result, args.out, rank)
+    emit(result, args.out, rank, world)
 
 
 if __name__ == "__main__":
