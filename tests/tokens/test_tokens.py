@@ -132,18 +132,21 @@ def test_each_bad_token_file_is_refused_in_one_sentence_naming_it(tmp_path: Path
     with pytest.raises(ConfigError) as exc:
         tokens(str(d))
     one_sentence(exc, "has no meta.json", "writer write")
-    (d / META).write_text('{"dtype": "int8", "vocab_size": 50, "tokens": {}}')
-    with pytest.raises(ConfigError) as exc:
-        tokens(str(d))
-    one_sentence(exc, "gives dtype 'int8'", "uint16 or uint32")
-    (d / META).write_text('{"dtype": "uint16", "vocab_size": 70000, "tokens": {}}')
-    with pytest.raises(ConfigError) as exc:
-        tokens(str(d))
-    one_sentence(exc, "vocab_size 70000", "use dtype uint32")
-    (d / META).write_text("{not json")
-    with pytest.raises(ConfigError) as exc:
-        tokens(str(d))
-    one_sentence(exc, "is not token metadata")
+    for meta, said in (
+        (
+            '{"dtype": "int8", "vocab_size": 50, "tokens": {}}',
+            ("gives dtype 'int8'", "uint16 or uint32"),
+        ),
+        (
+            '{"dtype": "uint16", "vocab_size": 70000, "tokens": {}}',
+            ("vocab_size 70000", "use dtype uint32"),
+        ),
+        ("{not json", ("is not token metadata",)),
+    ):
+        (d / META).write_text(meta)
+        with pytest.raises(ConfigError) as exc:
+            tokens(str(d))
+        one_sentence(exc, *said)
 
 
 def test_bad_cuts_and_options_are_refused(tmp_path: Path) -> None:
