@@ -66,7 +66,7 @@ from ddp_template.models import (
     weights_part,
 )
 from ddp_template.optim import build_optimizer, build_scheduler, set_horizon
-from ddp_template.parallel import build_ddp, compile_model
+from ddp_template.parallel import build_parallel, compile_model
 from ddp_template.preemption import Preemption
 from ddp_template.process import exit_records, quick_exit
 from ddp_template.profiling import StepProfiler
@@ -99,9 +99,10 @@ class Built(NamedTuple):
     switches: dict[str, Any]  # the research-loop switches that are on, by name
 
 
-def build(cfg: Config, info: distributed.DistInfo) -> Built:
-    """Data (+its identity, +augmentation) → sampler → loaders → task → model (+SyncBN) →
-    switches (EMA) → DDP → compile → optimizer (+the spike rule) → evaluation."""
+def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Built:
+    """Data (+its identity, +augmentation) → sampler → loaders → task → model (+a fresh run's
+    finetune weights, +SyncBN) → switches (EMA) → DDP or FSDP2 → compile → optimizer (+the
+    spike rule) → evaluation."""
     splits = build_splits(cfg.data)
     kind = kind_of(splits)  # map-style, or the kind its factory chose (tar shards, a stream)
     kind.check(cfg, splits)  # the run's options this kind cannot honour
@@ -120,20 +121,25 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
     schedule = kind.steps(cfg, sampler)  # optim.accumulate micro-batches each
     task = build_task(cfg.task)  # what is learned: the loss, the evaluation's sums and metrics
     task.setup(splits.info, info.device)
+    parallel = build_parallel(cfg.parallel, cfg.ddp, info, amp=str(cfg.amp.mode))
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, splits.info)
+    if fresh and cfg.finetune.init_from is not None:  # before the layout slices the weights
+        report = init_weights(cfg.finetune, model)
+        log.info("initialised from %s: %s", cfg.finetune.init_from, describe_load(report))
     check_batch_statistics(model, lambda: first_input(splits.train), schedule.last_micro_batch)
     if cfg.syncbn.enabled and info.distributed:
         model = convert_syncbn(model, info.device)  # before DDP registers the modules
     if cfg.numerics.channels_last:
         numerics.to_channels_last(model)
     model.to(info.device)
-    switches = build_switches(cfg, model, info)  # plain: never wrapped, never compiled
-    trained = build_ddp(cfg.ddp, model, info)
+    switches = build_switches(cfg, model, info, parallel.mirror)  # laid out, never compiled
+    trained = parallel.wrap(model)  # DDP wraps the model; FSDP2 slices it in place
+    log.info("%s", parallel.describe())
     if cfg.compile:
         trained = compile_model(trained)  # after DDP, as DDP recommends
     optimizer = build_optimizer(cfg.optim, model)
-    amp_mode = str(cfg.amp.mode)
+    amp_mode = parallel.autocast(str(cfg.amp.mode))  # FSDP2: bf16 is its policy's
     trainer = Trainer(
         model=trained,
         optimizer=optimizer,
@@ -148,8 +154,11 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         schedule=schedule,
         keep_indices=sampler.dataset_size <= cfg.share_report_max_n,
         task=task,
+        parallel=parallel,
         feed=kind.feed(cfg, info, switches),  # how batches come and the epoch ends
-        spikes=build_spikes(cfg.spike, task, info, amp_mode, syncbn=cfg.syncbn.enabled),
+        spikes=build_spikes(
+            cfg.spike, task, info, amp_mode, collective=cfg.syncbn.enabled or parallel.sliced
+        ),
     )
     evaluation = build_evaluation(
         final=str(cfg.eval_split),
@@ -160,6 +169,7 @@ def build(cfg: Config, info: distributed.DistInfo) -> Built:
         info=info,
         amp_mode=amp_mode,
         task=task,
+        lockstep=parallel.sliced,  # every forward a collective: every rank runs as many
     )
     selection = build_selection(cfg.selection, task)
     return Built(kind, data, trainer, splits, evaluation, selection, switches)
@@ -171,19 +181,23 @@ def checkpointer(
     """The checkpoint's named parts: restored in this order, each refusing its own misfit;
     the chain sealed over them."""
     tr = built.trainer
+    weights = {
+        "model": weights_part(tr.module),
+        "optimizer": tr.parallel.optimizer_part(tr.module, tr.optimizer),
+        **built.switches,
+    }
     parts = {
         "progress": Progress(state=state, trainer=tr),
-        "model": weights_part(tr.module),
-        "optimizer": tr.optimizer,
+        **({} if tr.parallel.sliced else weights),
         "scheduler": tr.scheduler,
         "scaler": scaler_part(tr.scaler),
-        **built.switches,
         "selection": built.selection,
     }
     return Checkpointer(
         directory=run_dir / "checkpoints",
         cfg=cfg.checkpoint,
         parts=parts,
+        sliced=weights if tr.parallel.sliced else {},  # each rank's slices, through DCP
         rank_parts={
             "sampler": SamplerPosition(sampler=tr.sampler, state=state),
             "rng": RngState(),
@@ -210,10 +224,7 @@ def resume(
     this run; else a fresh run, maybe from another run's weights (finetune.init_from).
     Returns the resume's line (which run and link, what was skipped or repeated)."""
     tr, info = built.trainer, built.trainer.info
-    if not found:
-        if cfg.finetune.init_from is not None:
-            report = init_weights(cfg.finetune, tr.module)
-            log.info("initialised from %s: %s", cfg.finetune.init_from, describe_load(report))
+    if not found:  # a fresh run (build took finetune.init_from's weights)
         return None
     with unanimous():  # every rank decides alike from the one checkpoint
         link = chain.check(found.path, found.payload, info.world_size)  # before any part moves
@@ -368,7 +379,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         boundary.check_join(cfg)  # uneven=join vs the accumulation a resize chose
         config = boundary.plain(cfg) | ({"resize": resize.record()} if resize else {})
         logger = RankLogger(cfg=cfg.logger, run=run, info=info, config=config)  # W&B starts
-        built = build(cfg, info)  # ...while this builds
+        built = build(cfg, info, fresh=found is None)  # ...while this builds
         state = TrainState()
         chain = build_chain(cfg, plain=config, run=run.run_id, data=built.data)
         ckpt = checkpointer(cfg, built, state, chain, run.run_dir, OmegaConf.to_yaml(config))

@@ -239,11 +239,14 @@ def step_trainer(
     device = torch.device("cpu") if device is None else device
     scaler = torch.amp.GradScaler("cpu", enabled=False) if scaler is None else scaler
 
+    from ddp_template.config.loop import DDPConfig
     from ddp_template.distributed import DistInfo
     from ddp_template.engine import Trainer
+    from ddp_template.parallel import Replicated
     from ddp_template.tasks.classification import Classification
 
     single = dict(rank=0, local_rank=0, world_size=1, local_world_size=1, backend=None)
+    info = DistInfo(**single, device=device, host="localhost")
     return Trainer(
         model=model,
         optimizer=optimizer,
@@ -251,10 +254,11 @@ def step_trainer(
         scaler=scaler,
         loader=None,
         sampler=None,
-        info=DistInfo(**single, device=device, host="localhost"),
+        info=info,
         amp_mode=amp_mode,
         grad_clip=grad_clip,
         task=task if task is not None else Classification(),  # the loss needs no setup
+        parallel=Replicated(cfg=DDPConfig(), info=info),
     )
 
 

@@ -9,6 +9,12 @@ part refuses a saved state it cannot take in one sentence (``Misfit``);
 this module knows none of them by name. Files are written to a temporary name, flushed to disk
 and renamed over the old one, so a crash mid-write never replaces a good checkpoint with half a
 file.
+
+Where each rank holds a slice of the weights (``parallel=fsdp2``), those parts (``sliced``) go
+through torch.distributed.checkpoint (DCP) instead: one file per rank in
+``slices/<name>/``, written to ``<name>.tmp`` and renamed once every rank's is in place, and
+the ``.pt`` file names that directory (``"slices"``). DCP lays them out again on load, at this
+run's world size, whatever it was at save. A directory no checkpoint names is deleted.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +31,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ddp_template.config.schema import CheckpointConfig
 from ddp_template.distributed import DistInfo, broadcast_object, gather_objects
@@ -30,7 +40,9 @@ from ddp_template.errors import ConfigError
 
 log = logging.getLogger("ddp_template")
 FORMAT_VERSION = 3
-RECORD = ("format", "config", "world_size", "ranks", "chain")  # the file's keys besides parts
+# the file's keys besides parts
+RECORD = ("format", "config", "world_size", "ranks", "chain", "slices")
+SLICES = "slices"  # the folder, beside the .pt files, of the sliced parts' DCP directories
 
 
 class Stateful(Protocol):
@@ -79,7 +91,39 @@ def load(path: Path, fix: str = RESUME_FIX) -> dict[str, Any]:
             f"checkpoint {path} has format {payload['format']}, which this version of the "
             f"template no longer reads (it reads format {FORMAT_VERSION}); {fix}."
         )
+    if "slices" in payload and not (slices_of(path, payload) / ".metadata").is_file():
+        raise ConfigError(
+            f"checkpoint {path} names the sliced weights in {slices_of(path, payload)}, which "
+            f"are missing or incomplete; {fix}."
+        )
     return payload
+
+
+def slices_of(path: Path, payload: dict[str, Any]) -> Path:
+    """The DCP directory of a checkpoint's sliced parts."""
+    return path.parent / SLICES / payload["slices"]
+
+
+def whole(path: Path, payload: dict[str, Any], *keys: str) -> dict[str, torch.Tensor]:
+    """The tensors under ``keys`` of a checkpoint (e.g. ``"model"``, or ``"ema", "model"``),
+    whole, by name: from the file, or read from its slices (every rank's, no process group)."""
+    if "slices" not in payload or keys[0] in payload:
+        state: Any = payload
+        for key in keys:
+            state = state[key]
+        return state
+    where = slices_of(path, payload)
+    prefix = ".".join(keys) + "."
+    meta = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+    state = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.items()
+        if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+    }
+    if not state:
+        raise KeyError(keys[0])
+    dcp.load(state, checkpoint_id=where, no_dist=True)
+    return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
 class Found(NamedTuple):
@@ -110,6 +154,7 @@ class Checkpointer:
     cfg: CheckpointConfig
     parts: dict[str, Stateful]  # the same on every rank: rank 0's are saved
     rank_parts: dict[str, Stateful] = field(default_factory=dict)  # each rank's, gathered
+    sliced: dict[str, Stateful] = field(default_factory=dict)  # each rank's slice, through DCP
     config_yaml: str  # the resolved config, stored for the record
     info: DistInfo
     # The checkpoint's provenance chain, made from the rest of its payload (provenance.Chain).
@@ -129,9 +174,11 @@ class Checkpointer:
         return payload
 
     def restore(self, found: Found, *, resized: bool = False) -> None:
+        _check_layout(bool(self.sliced), found)
         restore(
             found, parts=self.parts, rank_parts=self.rank_parts, info=self.info, resized=resized
         )
+        _load_slices(self.sliced, found)
 
     @property
     def last(self) -> Path | None:
@@ -146,6 +193,8 @@ class Checkpointer:
             return Saved(None, {})
         written = {Path(name).stem: self.directory / name for name in copies}
         payload = self.payload()
+        if self.sliced:
+            payload["slices"] = self._save_slices()
         if self.info.is_main:
             save_atomic(payload, path)
             if epochs_done is not None and self.cfg.keep > 0:
@@ -153,9 +202,29 @@ class Checkpointer:
                 self._prune()
             for copy in written.values():
                 save_atomic(payload, copy)
+            if self.sliced:
+                self._prune_slices()
         if self.info.distributed:
             dist.barrier()  # nobody runs ahead (or exits) before the file is in place
         return Saved(path, written)
+
+    def _save_slices(self) -> str:
+        """Every rank's slices into a new DCP directory (a collective); its name."""
+        name = broadcast_object(uuid.uuid4().hex[:12] if self.info.is_main else None, self.info)
+        final = self.directory / SLICES / name
+        tmp = final.with_name(name + ".tmp")
+        dcp.save({n: part.state_dict() for n, part in self.sliced.items()}, checkpoint_id=tmp)
+        # dcp.save returns on every rank once the metadata, written last, is in place.
+        if self.info.is_main:
+            os.replace(tmp, final)
+        return name
+
+    def _prune_slices(self) -> None:
+        """Delete the slice directories no checkpoint names (and any a crash left half-written)."""
+        named = {load(p).get("slices") for p in self.directory.glob("*.pt")}
+        for folder in (self.directory / SLICES).iterdir():
+            if folder.name not in named:
+                shutil.rmtree(folder, ignore_errors=True)
 
     def due(self, step: int) -> bool:
         every = self.cfg.every_steps
@@ -266,6 +335,33 @@ def _load_parts(
                 f"checkpoint {path} holds no {name} part, which this run needs; resume with "
                 f"the config it was written with, or start fresh with resume=never."
             )
+
+
+def _check_layout(sliced: bool, found: Found) -> None:
+    """A checkpoint of whole weights resumes only whole, one of slices only sliced."""
+    path, payload = found
+    if sliced == ("slices" in payload):
+        return
+    written, other = ("parallel=fsdp2", "sliced") if sliced else ("parallel=ddp", "whole")
+    held, this = ("whole", "parallel=ddp") if sliced else ("sliced", "parallel=fsdp2")
+    raise ConfigError(
+        f"checkpoint {path} holds {held} weights (written with {this}), which this {written} "
+        f"run, whose weights are {other}, does not resume; resume with {this}, or start this "
+        f"run from its weights with resume=never finetune.init_from={path}."
+    )
+
+
+def _load_slices(parts: dict[str, Stateful], found: Found) -> None:
+    """The sliced parts from their DCP directory, laid out at this run's world size."""
+    if not parts:
+        return
+    path, payload = found
+    where = slices_of(path, payload)
+    meta = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+    saved = {key.split(".", 1)[0] for key in meta}
+    state = {name: part.state_dict() for name, part in parts.items() if name in saved}
+    dcp.load(state, checkpoint_id=where)  # a collective: every rank reads what its slices need
+    _load_parts(parts, state, path)
 
 
 def resume_rank0(resume: str, directory: Path, info: DistInfo) -> Found | None:

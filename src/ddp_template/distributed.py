@@ -230,6 +230,15 @@ def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(value: int, info: DistInfo) -> int:
+    """The largest of the ranks' ``value``."""
+    if not info.distributed:
+        return value
+    t = torch.tensor([value], device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def gather_objects(obj: Any, info: DistInfo) -> list[Any]:
     """Every rank's ``obj`` on every rank (small Python objects: stats, index arrays)."""
     if not info.distributed:

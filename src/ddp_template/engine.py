@@ -34,7 +34,7 @@ from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.distributed import DistInfo
 from ddp_template.ledger.records import PriorSegment, SavedLedger
 from ddp_template.ledger.tally import IndexTally
-from ddp_template.parallel import settle_buckets
+from ddp_template.parallel import Parallel
 from ddp_template.task import Task
 
 
@@ -95,9 +95,10 @@ class Trainer:
     schedule: EpochSteps | None = None  # which micro-batches make each optimizer step
     keep_indices: bool = False
     task: Task  # what is learned: the loss of a micro-batch (ddp_template.task)
+    parallel: Parallel  # how the model is laid out over the ranks (DDP, FSDP2)
     feed: Feed = field(default_factory=PlannedFeed)  # the data kind's (data.kind)
     spikes: Any = None  # spike forensics (spike.Spikes): judges each step before its update
-    settled: bool = False  # this launch's DDP buckets rebuilt (parallel.settle_buckets)
+    settled: bool = False  # this launch's first step prepared (parallel.settle_buckets)
 
     @property
     def ddp(self) -> DDP | None:
@@ -145,16 +146,11 @@ class StepOut(NamedTuple):
     grad_norm: torch.Tensor | None  # only when clipping or logging this step
 
 
-def _no_sync(tr: Trainer, sync: bool) -> AbstractContextManager:
-    ddp = tr.ddp
-    return nullcontext() if sync or ddp is None else ddp.no_sync()
-
-
 def _forward_backward(
     tr: Trainer, x: torch.Tensor, y: torch.Tensor, weight: float, sync: bool
 ) -> torch.Tensor:
-    """One micro-batch; its gradients are all-reduced only with ``sync`` (DDP)."""
-    with _no_sync(tr, sync):  # the forward and the backward both inside no_sync
+    """One micro-batch; its gradients are reduced across the ranks only with ``sync``."""
+    with tr.parallel.sync(tr.model, sync):  # the forward and the backward both inside
         with autocast(tr.amp_mode, tr.info.device):
             # An empty micro-batch's mean is NaN; its sum is 0, so are its gradients, and its
             # backward still runs DDP's all-reduce: the rank contributes zero and nobody hangs.
@@ -175,7 +171,7 @@ def _optimizer_step(tr: Trainer, want_norm: bool, skip: bool = False) -> torch.T
     if tr.grad_clip is not None or want_norm:
         tr.scaler.unscale_(tr.optimizer)  # clip the true gradients, not the scaled ones
         limit = tr.grad_clip if tr.grad_clip is not None else float("inf")
-        norm = nn.utils.clip_grad_norm_(tr.model.parameters(), limit)
+        norm = tr.parallel.clip(tr.model, limit)
     tr.scaler.step(tr.optimizer)
     tr.scaler.update()
     tr.optimizer.zero_grad(set_to_none=True)
@@ -243,7 +239,7 @@ def train_one_epoch(
             stats.data_wait_s += time.perf_counter() - waited
             x, y = to_device(x, tr.info.device), to_device(y, tr.info.device)
             if not tr.settled:  # this launch's first step on DDP's rebuilt buckets
-                settle_buckets(tr.ddp, x)
+                tr.parallel.settle(tr.model, x)
                 tr.settled = True
             if tr.spikes is not None:  # before the forward: the RNG state it starts from
                 tr.spikes.hold(x, y, idx, tr.module)

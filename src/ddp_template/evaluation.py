@@ -1,7 +1,10 @@
 """Exact evaluation, and which split is evaluated when, of which weights, under which names.
 
 ``evaluate`` adds up the task's sums (``task.Task``) over unpadded shards and all-reduces them,
-so a run on any number of ranks reports the single-process numbers. ``Evaluation`` is the epoch
+so a run on any number of ranks reports the single-process numbers. Where a forward is a
+collective (``parallel=fsdp2`` all-gathers each unit's parameters), every rank runs as many
+forwards as the rank with the most batches: the others' extra forwards are of empty batches,
+their outputs dropped. ``Evaluation`` is the epoch
 end's part of it: the validation split each epoch when there is one (else the test split), the
 EMA copy beside the model, and once at the end the split ``eval_split`` names (what
 summary.json reports).
@@ -20,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddp_template.amp import autocast
 from ddp_template.data.contract import empty_batch, to_device
-from ddp_template.distributed import DistInfo, all_reduce_sum
+from ddp_template.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from ddp_template.task import EvalResult, Task
 
 log = logging.getLogger("ddp_template")
@@ -40,27 +43,40 @@ def sync_buffers(module: nn.Module, info: DistInfo) -> None:
 
 @torch.no_grad()
 def evaluate(
-    module: nn.Module, loader: Any, info: DistInfo, amp_mode: str, task: Task
+    module: nn.Module,
+    loader: Any,
+    info: DistInfo,
+    amp_mode: str,
+    task: Task,
+    *,
+    lockstep: bool = False,
 ) -> EvalResult:
     """Exact evaluation: unpadded shards, the task's sums all-reduced.
 
     ``module`` is the unwrapped model: a DDP forward may run collectives (buffer broadcast,
     SyncBN), and ranks with different (or empty) shards would then deadlock or mismatch. A rank
     whose shard is empty still updates the task with one empty batch, so a torchmetrics state
-    it concatenates has a (zero-length) tensor to sync like every other rank's.
+    it concatenates has a (zero-length) tensor to sync like every other rank's. ``lockstep``:
+    every rank runs as many forwards (the most any rank's shard needs).
     """
     sync_buffers(module, info)
     was_training = module.training
     module.eval()
     task.begin()
     sums = task.sums(info.device)
-    seen = False
-    for x, y, _ in loader:
-        _update(module, task, sums, x, y, info, amp_mode)
-        seen = True
+    most = all_reduce_max(max(len(loader), 1), info) if lockstep else 0  # before any forward
+    seen, last = 0, None
+    for last in loader:
+        _update(module, task, sums, last[0], last[1], info, amp_mode)
+        seen += 1
     if not seen and len(loader.dataset):
         x, y, _ = empty_batch(loader, None)
         _update(module, task, sums, x, y, info, amp_mode)
+        seen = 1
+    for _ in range(seen, most):  # forwards that only meet the other ranks' collectives
+        x, _, _ = empty_batch(loader, last)
+        with autocast(amp_mode, info.device):
+            module(to_device(x, info.device))
     all_reduce_sum(sums, info)
     module.train(was_training)
     return task.result(sums)
@@ -96,6 +112,7 @@ class Evaluation:
     info: DistInfo
     amp_mode: str
     task: Task
+    lockstep: bool = False  # every forward a collective (FSDP2): every rank runs as many
     last: EvalResult | None = None  # the latest epoch's, while the model has not changed since
     final_result: EvalResult | None = None  # at_end's
 
@@ -104,7 +121,9 @@ class Evaluation:
         return PREFIXES[self.each_epoch.name]
 
     def _run(self, module: nn.Module, split: Split) -> EvalResult:
-        return evaluate(module, split.loader, self.info, self.amp_mode, self.task)
+        return evaluate(
+            module, split.loader, self.info, self.amp_mode, self.task, lockstep=self.lockstep
+        )
 
     def epoch(self, epoch: int, step: int, logger: Any) -> dict[str, float]:
         """Evaluate the epoch's model (and EMA), log both; the metrics selection reads."""
@@ -144,6 +163,7 @@ def build_evaluation(
     info: DistInfo,
     amp_mode: str,
     task: Task,
+    lockstep: bool,
 ) -> Evaluation:
     """``eval_split``'s builder: ``loader`` makes an evaluation loader of a dataset."""
     each = VAL if splits.val is not None else TEST
@@ -158,4 +178,5 @@ def build_evaluation(
         info=info,
         amp_mode=amp_mode,
         task=task,
+        lockstep=lockstep,
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ddp_template.checkpoint import load
+from ddp_template.checkpoint import load, whole
 from ddp_template.config.loop import FinetuneConfig
 from ddp_template.errors import ConfigError
 from ddp_template.models import LoadReport, load_matching
@@ -17,8 +17,9 @@ def init_weights(cfg: FinetuneConfig, module: torch.nn.Module) -> LoadReport:
     """The ``finetune`` group's builder: a checkpoint's model (or EMA) weights into a fresh
     run's model.
 
-    Only the weights are read, so the checkpoint's world size, sampler mode, optimizer and step
-    do not matter. Every rank reads the same file; tensors whose shape differs (a head for
+    Only the weights are read, so the checkpoint's world size, sampler mode, optimizer, step
+    and layout (whole, or sliced by parallel=fsdp2) do not matter. Called before the model is
+    laid out over the ranks. Every rank reads the same file; tensors whose shape differs (a head for
     another number of classes) keep the model's fresh, seeded initialisation.
     """
     path = Path(str(cfg.init_from)).expanduser()
@@ -28,15 +29,15 @@ def init_weights(cfg: FinetuneConfig, module: torch.nn.Module) -> LoadReport:
             f"outputs/<run id>/checkpoints/last.pt or best.pt."
         )
     payload = load(path, fix="pass another checkpoint with finetune.init_from=<path>")
-    if cfg.ema:
-        if not isinstance(payload.get("ema"), dict) or "model" not in payload["ema"]:
-            raise ConfigError(
-                f"finetune.ema=true but checkpoint {path} holds no EMA weights (it was written "
-                f"without EMA); set finetune.ema=false to take its model weights."
-            )
-        state = payload["ema"]["model"]
-    else:
-        state = payload["model"]
+    try:
+        state = whole(path, payload, *(("ema", "model") if cfg.ema else ("model",)))
+    except (KeyError, TypeError):
+        raise ConfigError(
+            f"finetune.ema=true but checkpoint {path} holds no EMA weights (it was written "
+            f"without EMA); set finetune.ema=false to take its model weights."
+            if cfg.ema
+            else f"checkpoint {path} holds no model weights; pass a training checkpoint."
+        ) from None
     source = f"finetune.init_from={cfg.init_from}" + (" (EMA)" if cfg.ema else "")
     fix = ", or set finetune.strict=false to load only the keys both have"
     return load_matching(module, state, strict=cfg.strict, source=source, fix=fix)

@@ -1,4 +1,12 @@
-"""What trains: the module wrapped in DDP (the `ddp` builder), then torch.compile'd (`compile`).
+"""What trains: the model laid out over the ranks (the ``parallel`` builder: DDP, the default,
+with the ``ddp`` group's options; or FSDP2, the optional ``fsdp2/`` folder), then
+torch.compile'd (``compile``).
+
+``Parallel`` is what the loop, the evaluation, the EMA and the checkpoint ask of a layout: how a
+micro-batch's gradients are held or reduced, the gradient norm over every rank's part, whether a
+forward is a collective (``sliced``: every rank must run as many), a copy laid out like the
+model, and the optimizer as a checkpoint part. A layout other than DDP is named by string in
+``PARALLEL``, so the core never imports its folder.
 
 The order is DDP's recommended one: SyncBN conversion, then DDP, then ``torch.compile`` of the
 DDP module, so Dynamo's DDPOptimizer splits the graph at DDP's bucket boundaries and the
@@ -9,16 +17,109 @@ evaluated and checkpointed, so a compiled run's checkpoint resumes uncompiled an
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ddp_template.config.schema import DDPConfig
+from ddp_template.config.schema import DDPConfig, ParallelConfig
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
+
+# parallel.name → the builder of that layout, ``(cfg: ParallelConfig, info, amp=) -> Parallel``
+# (ddp is this module's own).
+PARALLEL = {"fsdp2": "ddp_template.fsdp2.layout.build_fsdp2"}
+
+
+class Parallel(Protocol):
+    """How the model is laid out over the ranks: what trains, and what the loop, the evaluation,
+    the EMA and the checkpoint ask of it."""
+
+    # Each rank holds a slice of the weights: every forward is a collective (the ranks run as
+    # many, evaluation included), and the weights are checkpointed through DCP, a file per rank.
+    sliced: bool
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """What trains (``module`` itself where the layout wraps in place)."""
+
+    def mirror(self, copy: nn.Module) -> nn.Module:
+        """A copy of the model (the EMA's), laid out as the model is."""
+
+    def sync(self, trained: nn.Module, sync: bool) -> AbstractContextManager:
+        """What a micro-batch's forward and backward run inside: its gradients reduced across
+        the ranks with ``sync``, else held on this rank for the step's last micro-batch."""
+
+    def clip(self, trained: nn.Module, limit: float) -> torch.Tensor:
+        """The gradient's total norm over every rank's part, the gradients clipped to ``limit``."""
+
+    def settle(self, trained: nn.Module, x: Any) -> None:
+        """Before a launch's first step (``settle_buckets`` for DDP)."""
+
+    def optimizer_part(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        """The optimizer as a checkpoint part."""
+
+    def autocast(self, amp_mode: str) -> str:
+        """The autocast mode the loop runs (a layout may take the mixed precision over)."""
+
+    def describe(self) -> str:
+        """One log line: how the model is laid out."""
+
+
+def build_parallel(cfg: ParallelConfig, ddp: DDPConfig, info: DistInfo, *, amp: str) -> Parallel:
+    """The ``parallel`` builder: DDP with the ``ddp`` group's options, or the layout ``PARALLEL``
+    names."""
+    if cfg.name == "ddp":
+        return Replicated(cfg=ddp, info=info)
+    from hydra.utils import get_method
+
+    return get_method(PARALLEL[str(cfg.name)])(cfg, info, amp=amp)
+
+
+@dataclass(kw_only=True)
+class Replicated:
+    """``parallel=ddp``: a whole replica per rank (one rank: the module itself)."""
+
+    cfg: DDPConfig
+    info: DistInfo
+    sliced: bool = False
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        return build_ddp(self.cfg, module, self.info)
+
+    def mirror(self, copy: nn.Module) -> nn.Module:
+        return copy
+
+    def sync(self, trained: nn.Module, sync: bool) -> AbstractContextManager:
+        ddp = _ddp(trained)
+        return nullcontext() if sync or ddp is None else ddp.no_sync()
+
+    def clip(self, trained: nn.Module, limit: float) -> torch.Tensor:
+        return nn.utils.clip_grad_norm_(trained.parameters(), limit)
+
+    def settle(self, trained: nn.Module, x: Any) -> None:
+        settle_buckets(_ddp(trained), x)
+
+    def optimizer_part(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        return optimizer
+
+    def autocast(self, amp_mode: str) -> str:
+        return amp_mode
+
+    def describe(self) -> str:
+        return (
+            "ddp: a whole replica of the model per rank"
+            if self.info.distributed
+            else "ddp: one process"
+        )
+
+
+def _ddp(trained: nn.Module) -> DDP | None:
+    inner = getattr(trained, "_orig_mod", trained)  # torch.compile's wrapper
+    return inner if isinstance(inner, DDP) else None
 
 
 def build_ddp(cfg: DDPConfig, module: nn.Module, info: DistInfo) -> nn.Module:

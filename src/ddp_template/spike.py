@@ -15,9 +15,10 @@ gradient, the running statistics put back), which is what ``replay --step S --lo
 With ``spike.skip`` the ranks agree on every step (one all-reduce of the ranks' verdicts a step,
 before the optimizer steps; under ``uneven=join`` the joined ranks shadow it): when any rank's
 rule fires, every rank records its samples, gathered into one report of the whole step (so do
-they with ``syncbn=on``, whose forward is itself a collective: a step re-runs on every rank or
-on none), and the step's update is skipped (its gradients dropped, the running statistics its
-forwards moved put back, the LR schedule still advancing). The samples were read, so the
+they with ``syncbn=on`` or ``parallel=fsdp2``, whose forward is itself a collective: a step
+re-runs on every rank or on none), and the step's update is skipped (its gradients dropped,
+the running statistics its forwards moved put back, the LR schedule still advancing). The
+samples were read, so the
 ledger counts them, and the epoch's verdict names them as skipped by the rule.
 
 Each rank's window is a per-rank checkpoint part, so a resumed run judges every later step as
@@ -274,11 +275,11 @@ class Spikes:
 
 
 def build_spikes(
-    cfg: SpikeConfig, task: Task, info: DistInfo, amp_mode: str, *, syncbn: bool
+    cfg: SpikeConfig, task: Task, info: DistInfo, amp_mode: str, *, collective: bool
 ) -> Spikes | None:
     """The ``spike`` group's builder: None with ``spike.factor=null``; the ranks judge together
-    with ``spike.skip``, or where the forward is a collective (``syncbn``)."""
+    with ``spike.skip``, or where the forward is a ``collective`` (SyncBN, FSDP2)."""
     if not cfg.on:
         return None
-    together = info.distributed and (cfg.skip or syncbn)
+    together = info.distributed and (cfg.skip or collective)
     return Spikes(cfg=cfg, task=task, info=info, amp_mode=amp_mode, together=together)

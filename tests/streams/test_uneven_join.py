@@ -22,7 +22,7 @@ from ddp_template.config.schema import DDPConfig, EmaConfig
 from ddp_template.engine import Trainer, TrainState, train_one_epoch
 from ddp_template.models import small_cnn
 from ddp_template.optim import WarmupCosine
-from ddp_template.parallel import build_ddp
+from ddp_template.parallel import Replicated, build_ddp
 from ddp_template.preemption import Preemption
 from ddp_template.streams.contract import StreamPosition
 from ddp_template.streams.join import Joined
@@ -69,6 +69,7 @@ def run_scenario(rank: int, name: str) -> dict:
     preempt = Preemption(info=info, every=2, run_id="join")
     tr = Trainer(
         model=build_ddp(DDPConfig(), model, info),
+        parallel=Replicated(cfg=DDPConfig(), info=info),
         optimizer=opt,
         scheduler=sched,
         scaler=torch.amp.GradScaler("cpu", enabled=False),

@@ -21,6 +21,13 @@ class MatmulPrecision(Choice):
     medium = "medium"
 
 
+class Parallelism(Choice):
+    """How the model is laid out over the ranks (the ``parallel`` group)."""
+
+    ddp = "ddp"  # a whole replica per rank, gradients all-reduced
+    fsdp2 = "fsdp2"  # a slice of every parameter per rank (torch's fully_shard)
+
+
 class SamplerMode(Choice):
     padded = "padded"
     drop_last = "drop_last"

@@ -1,12 +1,13 @@
-"""Schemas of the research-loop groups, each with its own checks: DDP's options, the EMA switch,
+"""Schemas of the research-loop groups, each with its own checks: how the model is laid out
+(``parallel``) and DDP's options, the EMA switch,
 the profiler window (``compile`` is the top-level key), selection (best.pt, early stopping),
 spike forensics and fine-tuning (``init_from``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from ddp_template.config.choices import MonitorMode
+from ddp_template.config.choices import MonitorMode, Parallelism
 from ddp_template.errors import ConfigError
 
 
@@ -19,6 +20,44 @@ class DDPConfig:
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: float = 25.0
     broadcast_buffers: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is laid out over the ranks: ``ddp`` (a whole replica per rank; its options
+    are the ``ddp`` group's) or ``fsdp2`` (torch's ``fully_shard``: each rank holds a slice of
+    every parameter, of its gradient and of its optimizer state). The other keys are fsdp2's."""
+
+    name: Parallelism = Parallelism.ddp
+    # The modules fully_shard wraps besides the root, each gathered on its own: glob patterns
+    # over module names (e.g. [blocks.*]); null: every member of the model's ModuleLists.
+    units: list[str] | None = None
+    reshard_after_forward: bool = True  # free the gathered parameters after each forward
+    offload: bool = False  # keep the slices and the optimizer state in CPU memory (CUDA runs)
+    replicate: int = 1  # HSDP: groups of ranks holding whole copies (a replicate x shard mesh)
+
+    def check(self) -> None:
+        if self.name == Parallelism.ddp:
+            given = [
+                f"parallel.{f.name}={getattr(self, f.name)}"
+                for f in fields(self)
+                if f.name != "name" and getattr(self, f.name) != f.default
+            ]
+            if given:
+                raise ConfigError(
+                    f"{given[0]} is an option of parallel=fsdp2, which this run does not use "
+                    f"(parallel=ddp); set parallel=fsdp2 or drop it."
+                )
+        if self.replicate < 1:
+            raise ConfigError(
+                f"parallel.replicate={self.replicate} must be >= 1 (1: one group of ranks that "
+                f"shards; 2: two groups, each holding a whole copy, e.g. one per node)."
+            )
+        for pattern in self.units or ():
+            if not pattern:
+                raise ConfigError(
+                    "parallel.units holds an empty pattern; name modules like blocks.* or drop it."
+                )
 
 
 @dataclass

@@ -42,6 +42,7 @@ from ddp_template.config.loop import (
     DDPConfig,
     EmaConfig,
     FinetuneConfig,
+    ParallelConfig,
     ProfilerConfig,
     SelectionConfig,
     SpikeConfig,
@@ -247,6 +248,7 @@ class Config:
     provenance: ProvenanceConfig = field(default_factory=ProvenanceConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
@@ -284,6 +286,7 @@ def register_configs() -> None:
         "backend": {"backend_schema": BackendConfig},
         "syncbn": {"syncbn_schema": SyncBNConfig},
         "amp": {"amp_schema": AmpConfig},
+        "parallel": {"parallel_schema": ParallelConfig},
         "optim": {"optim_schema": OptimConfig},
         "logger": {"logger_schema": LoggerConfig},
         "transforms": {"transforms_schema": TransformsConfig},

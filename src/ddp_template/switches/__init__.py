@@ -1,6 +1,7 @@
 """Research-loop switches: stateful parts that act after each optimizer step (the EMA is one).
 
-A switch is a module here with a builder ``build_<switch>(cfg, model, info) -> switch``; the
+A switch is a module here with a builder ``build_<switch>(cfg, model, info, mirror) -> switch``
+(``mirror`` lays a copy of the model out as the model is: ``parallel.Parallel.mirror``); the
 switch has ``after_step(state)`` and ``state_dict()``/``load_state_dict()``. ``SWITCHES`` maps
 its config key (a field of the root ``Config`` whose schema has ``on``) to its builder, so a
 switch that is off is never imported. ``build_switches`` is ``train.build``'s one reader.
@@ -15,10 +16,10 @@ from hydra.utils import get_method
 SWITCHES = {"ema": "ddp_template.switches.ema.build_ema"}  # config key → builder
 
 
-def build_switches(cfg: Any, model: Any, info: Any) -> dict[str, Any]:
+def build_switches(cfg: Any, model: Any, info: Any, mirror: Any) -> dict[str, Any]:
     """The switches that are on, by name: each a checkpoint part with ``after_step(state)``."""
     return {
-        key: get_method(builder)(getattr(cfg, key), model, info)
+        key: get_method(builder)(getattr(cfg, key), model, info, mirror)
         for key, builder in SWITCHES.items()
         if getattr(cfg, key).on
     }

@@ -2,14 +2,17 @@
 
 After optimizer step s (every ``ema.every`` steps), each averaged parameter moves toward the
 model's: ``ema += (1 - decay) * (model - ema)``; during the first ``ema.warmup`` steps it copies
-the weights instead. The parameters are identical on every rank because DDP's parameters are.
-Buffers (BatchNorm running stats) are not: each rank updates its own from its own batch, so the
-average takes rank 0's, broadcast, and every rank holds the same EMA module at every step.
+the weights instead. The parameters are identical on every rank because DDP's parameters are;
+under FSDP2 the average is laid out as the model is (``mirror``), each rank averaging its own
+slices. Buffers (BatchNorm running stats) are not: each rank updates its own from its own
+batch, so the average takes rank 0's, broadcast, and every rank holds the same EMA module at
+every step.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,8 +23,16 @@ from ddp_template.distributed import DistInfo
 
 
 class EMA:
-    def __init__(self, *, model: nn.Module, cfg: EmaConfig, info: DistInfo) -> None:
-        self.module = copy.deepcopy(model).eval().requires_grad_(False)
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        cfg: EmaConfig,
+        info: DistInfo,
+        mirror: Callable[[nn.Module], nn.Module] | None = None,
+    ) -> None:
+        averaged = copy.deepcopy(model).eval().requires_grad_(False)
+        self.module = mirror(averaged) if mirror is not None else averaged
         self.source = model  # what it averages (a checkpoint without an EMA restarts from it)
         self.decay = float(cfg.decay)
         self.every = cfg.every
@@ -80,6 +91,12 @@ class EMA:
         return "the EMA starts from its weights"
 
 
-def build_ema(cfg: EmaConfig, model: nn.Module, info: DistInfo) -> EMA | None:
-    """The ``ema`` builder: an averaged copy of the (unwrapped, on-device) model, or None."""
-    return None if cfg.decay is None else EMA(model=model, cfg=cfg, info=info)
+def build_ema(
+    cfg: EmaConfig,
+    model: nn.Module,
+    info: DistInfo,
+    mirror: Callable[[nn.Module], nn.Module] | None = None,
+) -> EMA | None:
+    """The ``ema`` builder: an averaged copy of the (unwrapped, on-device) model, laid out by
+    ``mirror`` as the model will be, or None."""
+    return None if cfg.decay is None else EMA(model=model, cfg=cfg, info=info, mirror=mirror)
