@@ -293,7 +293,12 @@ def fit(
             saved = ckpt.save(epochs_done=state.epoch, copies=copies)
             for kind, path in {"last": saved.last, **saved.copies}.items():
                 logger.log_checkpoint(
-                    path, kind=kind, step=state.step, epoch=epoch, metrics=metrics
+                    path,
+                    kind=kind,
+                    step=state.step,
+                    epoch=epoch,
+                    metrics=metrics,
+                    slices=saved.slices,
                 )
             if epoch + 1 < cfg.epochs and preempt.sync():  # a signal late in the epoch
                 preempt.stop(state.step, ckpt.last)

@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,7 +123,9 @@ def whole(path: Path, payload: dict[str, Any], *keys: str) -> dict[str, torch.Te
     }
     if not state:
         raise KeyError(keys[0])
-    dcp.load(state, checkpoint_id=where, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=where, no_dist=True)
     return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
@@ -138,6 +141,7 @@ class Saved(NamedTuple):
 
     last: Path | None
     copies: dict[str, Path]  # by kind (the file name's stem): the copies this save wrote
+    slices: Path | None = None  # the DCP directory every one of them names (sliced parts)
 
 
 def _epoch_number(path: Path) -> int:
@@ -195,6 +199,7 @@ class Checkpointer:
         payload = self.payload()
         if self.sliced:
             payload["slices"] = self._save_slices()
+            slices = slices_of(path, payload)
         if self.info.is_main:
             save_atomic(payload, path)
             if epochs_done is not None and self.cfg.keep > 0:
@@ -206,7 +211,7 @@ class Checkpointer:
                 self._prune_slices()
         if self.info.distributed:
             dist.barrier()  # nobody runs ahead (or exits) before the file is in place
-        return Saved(path, written)
+        return Saved(path, written, slices if self.sliced else None)
 
     def _save_slices(self) -> str:
         """Every rank's slices into a new DCP directory (a collective); its name."""

@@ -40,6 +40,7 @@ from omegaconf.errors import OmegaConfBaseException
 from torch.utils.data import Dataset, default_collate
 
 from ddp_template.checkpoint import load as load_checkpoint
+from ddp_template.checkpoint import whole
 from ddp_template.config import boundary
 from ddp_template.config.schema import Config
 from ddp_template.data.contract import Splits
@@ -324,7 +325,7 @@ def step_losses(run: Run, rows: list[dict[str, Any]], checkpoint: Path) -> str:
     splits.set_epoch(first["epoch"])
     model = build_model(cfg.model, splits.info)
     try:
-        weights_part(model).load_state_dict(payload["model"])
+        weights_part(model).load_state_dict(whole(checkpoint, payload, "model"))
     except Misfit as exc:
         raise ConfigError(f"--losses {checkpoint}: {exc}") from None
     task = build_task(cfg.task)

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp_template import cluster
 from ddp_template.amp import check_amp
-from ddp_template.config.schema import Config
+from ddp_template.config.schema import Config, DDPConfig
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.splits import SPLIT_KEYS
 from ddp_template.distributed import (
@@ -111,6 +111,7 @@ def check(cfg: Config) -> None:
     _check_launch(cfg)
     _check_logger(cfg)
     _check_loop(cfg)
+    _check_parallel(cfg)
     check_join(cfg)
     for f in fields(cfg):  # a group's own checks live beside its schema, as its check()
         own = getattr(getattr(cfg, f.name), "check", None)
@@ -219,6 +220,32 @@ def _check_loop(cfg: Config) -> None:
     for key in ("wait", "warmup", "active"):
         value, least = getattr(cfg.profiler, key), 1 if key == "active" else 0
         require(value >= least, f"profiler.{key}={value} must be >= {least} (optimizer steps).")
+
+
+def _check_parallel(cfg: Config) -> None:
+    """What ``parallel=fsdp2`` cannot honour: DDP's own options, fp16's loss scaling over
+    slices, and torch's Join (which matches DDP's collectives, not FSDP2's)."""
+    if cfg.parallel.name != "fsdp2":
+        return
+    defaults = DDPConfig()
+    for f in fields(DDPConfig):
+        value = getattr(cfg.ddp, f.name)
+        require(
+            value == getattr(defaults, f.name),
+            f"ddp.{f.name}={value} is an option of DistributedDataParallel, which "
+            f"parallel=fsdp2 does not use; drop it, or set parallel=ddp.",
+        )
+    require(
+        cfg.amp.mode != "fp16",
+        "amp=fp16 cannot run with parallel=fsdp2 (its loss scaler would skip steps on the "
+        "ranks whose own slices overflowed, not on all of them); use amp=bf16 (FSDP2's mixed "
+        "precision: bf16 forward, fp32 reduction) or amp=off.",
+    )
+    require(
+        cfg.uneven != "join",
+        "uneven=join cannot run with parallel=fsdp2 (torch's Join shadows DDP's all-reduce, not "
+        "FSDP2's all-gathers in every forward); set uneven=stop or parallel=ddp.",
+    )
 
 
 def check_join(cfg: Config) -> None:

@@ -30,19 +30,20 @@ from torch.distributed.tensor import DTensor
 
 from ddp_template.config.schema import ParallelConfig
 from ddp_template.distributed import DistInfo
-from ddp_template.errors import ConfigError, Misfit
+from ddp_template.errors import Misfit, Unanimous
 
 
 def build_fsdp2(cfg: ParallelConfig, info: DistInfo, *, amp: str) -> FullySharded:
-    """The ``parallel=fsdp2`` builder: the mesh over this run's ranks and the policies."""
+    """The ``parallel=fsdp2`` builder: the mesh over this run's ranks and the policies (its
+    refusals, decided from the config and the world size, are every rank's alike)."""
     if cfg.offload and info.device.type != "cuda":
-        raise ConfigError(
+        raise Unanimous(
             f"parallel.offload=true keeps the slices in CPU memory between uses, but this run "
             f"trains on {info.device.type}, where they already are; set parallel.offload=false."
         )
     world = info.world_size
     if world % cfg.replicate:
-        raise ConfigError(
+        raise Unanimous(
             f"parallel.replicate={cfg.replicate} does not divide the world size {world} into "
             f"groups of equal size; choose a divisor of {world} (1: shard over all ranks)."
         )
@@ -147,14 +148,14 @@ def unit_names(module: nn.Module, patterns: list[str] | None) -> list[str]:
     for pattern in patterns:
         hits = [n for n in named if n and fnmatch.fnmatchcase(n, pattern)]
         if not hits:
-            raise ConfigError(
+            raise Unanimous(
                 f"parallel.units pattern {pattern!r} names no module of this model (its modules: "
                 f"{_names([n for n in named if n])}); name some of those, or set "
                 f"parallel.units=null."
             )
         bare = [n for n in hits if isinstance(named[n], nn.ModuleList | nn.ModuleDict)]
         if bare:
-            raise ConfigError(
+            raise Unanimous(
                 f"parallel.units pattern {pattern!r} names {bare[0]}, a container that never runs "
                 f"a forward of its own; name its members instead, e.g. {bare[0]}.*."
             )

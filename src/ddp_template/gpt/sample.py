@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from ddp_template.checkpoint import load as load_checkpoint
+from ddp_template.checkpoint import whole
 from ddp_template.data.contract import DataInfo
 from ddp_template.data.splits import build_splits
 from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
@@ -65,7 +66,7 @@ def load_model(ckpt: Path) -> tuple[nn.Module, DataInfo]:
     if not ckpt.is_file():
         raise ConfigError(f"checkpoint {ckpt} does not exist; {FIX}.")
     payload = load_checkpoint(ckpt, fix=FIX)
-    if "model" not in payload or not payload.get("config"):
+    if ("model" not in payload and "slices" not in payload) or not payload.get("config"):
         raise ConfigError(f"checkpoint {ckpt} holds no model weights or no config; {FIX}.")
     cfg = OmegaConf.create(payload["config"])
     info = build_splits(cfg.data).info
@@ -77,7 +78,7 @@ def load_model(ckpt: Path) -> tuple[nn.Module, DataInfo]:
         )
     model = build_model(cfg.model, info)
     try:
-        model.load_state_dict(_unwrapped(payload["model"]))
+        model.load_state_dict(_unwrapped(whole(ckpt, payload, "model")))
     except RuntimeError as exc:
         raise ConfigError(
             f"checkpoint {ckpt} does not fit the model its run's config builds "

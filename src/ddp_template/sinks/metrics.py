@@ -303,10 +303,12 @@ class RankLogger:
         epoch: int,
         metrics: dict[str, Any],
         rewritten: bool = True,
+        slices: Path | None = None,
     ) -> None:
         """Rank 0: checkpoint ``path`` as a new version of the run's ``model`` artifact, when
         ``logger.log_checkpoints`` is ``kind`` (last, best) and the file was ``rewritten`` at
         this epoch's end. Aliases ``kind`` and ``epoch-<e>``; metadata step, epoch, metrics.
+        A sliced checkpoint's DCP directory (``slices``) goes with it, where the file finds it.
         Offline, W&B keeps a copy of the file until ``wandb sync`` uploads it."""
         if kind != self.cfg.log_checkpoints or not rewritten or path is None:
             return
@@ -321,6 +323,8 @@ class RankLogger:
                 metadata={"kind": kind, "step": step, "epoch": epoch, **metrics},
             )
             artifact.add_file(str(path), name=path.name)
+            if slices is not None:
+                artifact.add_dir(str(slices), name=f"{slices.parent.name}/{slices.name}")
             self.wandb.log_artifact(artifact, aliases=[kind, f"epoch-{epoch}"])
         except Exception as exc:  # W&B must never stop training
             log.warning("W&B could not log checkpoint %s (%s)", path, exc)

@@ -1,0 +1,61 @@
+"""``python -m ddp_template.export CKPT OUT``: a checkpoint's model weights as one file, for
+inference: the model's ``state_dict`` by name, whole, whether the checkpoint holds them whole
+(``parallel=ddp``) or sliced into a file per rank (``parallel=fsdp2``). ``--ema``: the averaged
+weights instead. Load it with ``model.load_state_dict(torch.load(OUT))`` on any machine, no
+process group, no DCP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ddp_template.checkpoint import load, save_atomic, whole
+from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
+
+FIX = "pass a checkpoint of a run, e.g. outputs/<run id>/checkpoints/last.pt"
+
+
+def export(ckpt: Path, out: Path, *, ema: bool = False) -> str:
+    """Write ``ckpt``'s model (or EMA) weights to ``out``; what was written, in one line."""
+    if not ckpt.is_file():
+        raise ConfigError(f"checkpoint {ckpt} does not exist; {FIX}.")
+    payload = load(ckpt, fix=FIX)
+    keys = ("ema", "model") if ema else ("model",)
+    try:
+        state = whole(ckpt, payload, *keys)
+    except (KeyError, TypeError):
+        held = (
+            "no EMA weights (it was written without ema.decay); drop --ema"
+            if ema
+            else (f"no model weights; {FIX}")
+        )
+        raise ConfigError(f"checkpoint {ckpt} holds {held}.") from None
+    state = {name: t.detach().clone() for name, t in state.items()}  # no views of a larger file
+    save_atomic(state, out)
+    count = sum(t.numel() for t in state.values() if t.is_floating_point())
+    layout = "sliced, a file per rank" if "slices" in payload else "whole"
+    return (
+        f"{out}: {len(state)} tensors, {count:,} parameters and buffers of "
+        f"{'the EMA' if ema else 'the model'} of {ckpt} (held {layout})"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ddp_template.export", description=__doc__)
+    parser.add_argument("ckpt", type=Path, help="a checkpoint (.pt) of a run")
+    parser.add_argument("out", type=Path, help="the file to write (a state_dict)")
+    parser.add_argument("--ema", action="store_true", help="the EMA's weights")
+    args = parser.parse_args(argv)
+    try:
+        print(export(args.ckpt, args.out, ema=args.ema))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
