@@ -347,12 +347,13 @@ def _check_layout(sliced: bool, found: Found) -> None:
     path, payload = found
     if sliced == ("slices" in payload):
         return
-    written, other = ("parallel=fsdp2", "sliced") if sliced else ("parallel=ddp", "whole")
-    held, this = ("whole", "parallel=ddp") if sliced else ("sliced", "parallel=fsdp2")
+    held, written = (
+        ("sliced", "parallel=fsdp2") if "slices" in payload else ("whole", "parallel=ddp")
+    )
     raise ConfigError(
-        f"checkpoint {path} holds {held} weights (written with {this}), which this {written} "
-        f"run, whose weights are {other}, does not resume; resume with {this}, or start this "
-        f"run from its weights with resume=never finetune.init_from={path}."
+        f"checkpoint {path} holds {held} weights (written with {written}) and this run lays "
+        f"them out otherwise; resume with {written}, or start this run from its weights with "
+        f"resume=never finetune.init_from={path}."
     )
 
 
