@@ -163,6 +163,7 @@ class Checkpointer:
     info: DistInfo
     # The checkpoint's provenance chain, made from the rest of its payload (provenance.Chain).
     seal: Callable[[dict[str, Any]], Any] | None = None
+    _named: dict[str, str | None] | None = None  # each checkpoint file's slices, once read
 
     def payload(self) -> dict[str, Any]:
         mine = {name: part.state_dict() for name, part in self.rank_parts.items()}
@@ -197,21 +198,23 @@ class Checkpointer:
             return Saved(None, {})
         written = {Path(name).stem: self.directory / name for name in copies}
         payload = self.payload()
+        slices = None
         if self.sliced:
             payload["slices"] = self._save_slices()
             slices = slices_of(path, payload)
         if self.info.is_main:
-            save_atomic(payload, path)
+            files = [path, *written.values()]
             if epochs_done is not None and self.cfg.keep > 0:
-                save_atomic(payload, self.directory / f"epoch_{epochs_done}.pt")
+                files.append(self.directory / f"epoch_{epochs_done}.pt")
+            for file in files:
+                save_atomic(payload, file)
+            if epochs_done is not None and self.cfg.keep > 0:
                 self._prune()
-            for copy in written.values():
-                save_atomic(payload, copy)
             if self.sliced:
-                self._prune_slices()
+                self._prune_slices(payload["slices"], files)
         if self.info.distributed:
             dist.barrier()  # nobody runs ahead (or exits) before the file is in place
-        return Saved(path, written, slices if self.sliced else None)
+        return Saved(path, written, slices)
 
     def _save_slices(self) -> str:
         """Every rank's slices into a new DCP directory (a collective); its name."""
@@ -224,11 +227,16 @@ class Checkpointer:
             os.replace(tmp, final)
         return name
 
-    def _prune_slices(self) -> None:
-        """Delete the slice directories no checkpoint names (and any a crash left half-written)."""
-        named = {load(p).get("slices") for p in self.directory.glob("*.pt")}
+    def _prune_slices(self, name: str, files: list[Path]) -> None:
+        """Delete the slice directories no checkpoint names (and any a crash left half-written):
+        what the files name is read once a launch, then kept as this launch writes them."""
+        if self._named is None:
+            self._named = {p.name: load(p).get("slices") for p in self.directory.glob("*.pt")}
+        self._named.update({p.name: name for p in files})
+        self._named = {f: n for f, n in self._named.items() if (self.directory / f).exists()}
+        kept = set(self._named.values())
         for folder in (self.directory / SLICES).iterdir():
-            if folder.name not in named:
+            if folder.name not in kept:
                 shutil.rmtree(folder, ignore_errors=True)
 
     def due(self, step: int) -> bool:
