@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "src" / "ddp_template"
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
 # Folders a forker may delete, folder and all: the data kinds (any folder with a kind of its own;
-# data/kind.py is the seam itself, and map-style data's kind) and the GPT (model=gpt).
+# data/kind.py is the seam itself, and map-style data's kind), the GPT (model=gpt) and FSDP2
+# (parallel=fsdp2).
 KINDS = {p.parent.name for p in PKG.glob("*/kind.py")} - {"data"}
-OPTIONAL = frozenset({"webdataset", "streams", "tokens", "gpt", *KINDS})
+OPTIONAL = frozenset({"webdataset", "streams", "tokens", "gpt", "fsdp2", *KINDS})
 TRAIN = "train"  # train.py's name in the map (it lives beside src/, not in the package)
 CELL = re.compile(r"(?<!\\)\|")  # a table's cell border (``\|`` is a pipe inside a cell)
 NAME = re.compile(r"(\*?)`([^`]+)`(\*?)")  # `module`, or *`module`*: only inside a function
@@ -202,20 +203,29 @@ def named_function(dotted: str) -> str | None:
     return None if function in defined else f"{dotted}: {module} defines no {function}"
 
 
+def registry(path: Path, name: str) -> dict[str, str]:
+    """The literal dict ``name`` a module assigns (a registry of builders named by string)."""
+    (found,) = [
+        ast.literal_eval(n.value)
+        for n in ast.parse(path.read_text()).body
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        and name in ast.unparse(n.targets[0] if isinstance(n, ast.Assign) else n.target)
+    ]
+    assert found, f"{name} is empty"
+    return found
+
+
 def test_the_modules_named_by_string_exist() -> None:
     """What is imported by name at run time, where ``ast`` sees no import: every builder in
-    ``SWITCHES`` and the module a fork server imports first (``preload.FORK_SERVER``)."""
+    ``SWITCHES`` and ``parallel.PARALLEL``, and the module a fork server imports first
+    (``preload.FORK_SERVER``)."""
     from ddp_template.process.preload import FORK_SERVER  # the standard library only
 
-    tree = ast.parse((PKG / "switches" / "__init__.py").read_text())
-    (switches,) = [
-        ast.literal_eval(n.value)
-        for n in tree.body
-        if isinstance(n, (ast.Assign, ast.AnnAssign))
-        and "SWITCHES" in ast.unparse(n.targets[0] if isinstance(n, ast.Assign) else n.target)
+    builders = [
+        *registry(PKG / "switches" / "__init__.py", "SWITCHES").values(),
+        *registry(PKG / "parallel.py", "PARALLEL").values(),
     ]
-    assert switches, "SWITCHES is empty"
-    problems = [why for builder in switches.values() if (why := named_function(builder))]
+    problems = [why for builder in builders if (why := named_function(builder))]
     server = FORK_SERVER.removeprefix("ddp_template.")
     if server not in sources():
         problems.append(f"preload.FORK_SERVER={FORK_SERVER}: no such module")
