@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Check a GPU machine in about 5 minutes: CUDA-only tests, SyncBN over nccl against plain BN
-# (fp32 and autocast) and a 2-rank nccl train.py run when 2 GPUs exist, and ResNet-18 images/s
-# for amp=off/bf16/fp16 at 32x32 and 224x224. Nothing passes by construction: on one rank
+# (fp32 and autocast) and a 2-rank nccl train.py run when 2 GPUs exist, parallel=fsdp2 (bf16,
+# nccl) on the lm_bytes GPT with its memory against DDP's, and ResNet-18 images/s for
+# amp=off/bf16/fp16 at 32x32 and 224x224. Nothing passes by construction: on one rank
 # torch's SyncBN is plain BN, so with fewer than 2 GPUs the script says what it did not run.
 #
 #   benchmarks/gpu_check.sh                    # on the GPU machine
@@ -113,7 +114,8 @@ from pathlib import Path
 run_dir = Path(sys.argv[1])
 s = json.loads((run_dir / "summary.json").read_text())
 first = next(x for x in (run_dir / "train.log").open() if "launcher " in x)
-print(f"finished: eval accuracy {s['eval_accuracy']:.4f} on {s['world_size']} rank(s); "
+metric = "accuracy" if "eval_accuracy" in s else "loss"
+print(f"finished: eval {metric} {s['eval_' + metric]:.4f} on {s['world_size']} rank(s); "
       f"{first.split(' - ', 1)[-1].strip()}")
 EOF
 }
@@ -132,6 +134,23 @@ else
     finished "$OUT/outputs/gpu-check-1rank"
     echo "nccl 2-rank train.py run not exercised ($GPU_WORDS)"
 fi
+
+FSDP_AMP=off  # amp=fp16 is refused under parallel=fsdp2; bf16 is its mixed-precision policy
+if [[ "$HALF" == bf16 ]]; then
+    FSDP_AMP=bf16
+fi
+FSDP_RANKS=$(( GPUS >= 2 ? 2 : 1 ))
+step "parallel=fsdp2 over $BACKEND (amp=$FSDP_AMP): the lm_bytes GPT on $FSDP_RANKS rank(s)"
+RUN_ID=gpu-check-fsdp2 timeout "$RUN_TIMEOUT" "$PY" train.py experiment=lm_bytes parallel=fsdp2 \
+    "backend=$BACKEND" "amp=$FSDP_AMP" "dist.nproc=$FSDP_RANKS" epochs=1 \
+    "max_steps_per_epoch=$STEPS" logger=none "paths.output_root=$OUT/outputs" \
+    "paths.multirun_root=$OUT/multirun" "paths.data_root=$OUT/data" > "$OUT/fsdp2.log" 2>&1 \
+    || { tail -30 "$OUT/fsdp2.log"; exit 1; }
+grep -h "fsdp2: fully_shard" "$OUT/fsdp2.log" | head -1 | sed 's/.* - //'
+finished "$OUT/outputs/gpu-check-fsdp2"
+timeout "$((2 * RUN_TIMEOUT))" "$PY" benchmarks/fsdp2.py --backend "$BACKEND" --amp "$FSDP_AMP" \
+    --worlds "$(seq -s, 1 "$FSDP_RANKS")" --rounds 3 --steps "$STEPS" --scratch "$OUT/fsdp2" \
+    | sed -n '/^| W /,/^$/p'
 
 step "ResNet-18 throughput on data=synthetic (batch $BATCH, $STEPS steps x 2 epochs)"
 for size in "${SIZES[@]}"; do

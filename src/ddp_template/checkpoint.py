@@ -106,7 +106,7 @@ def slices_of(path: Path, payload: dict[str, Any]) -> Path:
 
 
 def whole(path: Path, payload: dict[str, Any], *keys: str) -> dict[str, torch.Tensor]:
-    """The tensors under ``keys`` of a checkpoint (e.g. ``"model"``, or ``"ema", "model"``),
+    """The tensors under ``keys`` of a checkpoint (a part's name, then keys inside its state),
     whole, by name: from the file, or read from its slices (every rank's, no process group)."""
     if "slices" not in payload or keys[0] in payload:
         state: Any = payload

@@ -76,7 +76,15 @@ def build_parallel(cfg: ParallelConfig, ddp: DDPConfig, info: DistInfo, *, amp: 
         return Replicated(cfg=ddp, info=info)
     from hydra.utils import get_method
 
-    return get_method(PARALLEL[str(cfg.name)])(cfg, info, amp=amp)
+    target = PARALLEL[str(cfg.name)]
+    try:
+        builder = get_method(target)
+    except ImportError:  # its optional folder deleted
+        raise ConfigError(
+            f"parallel={cfg.name} needs {target.rsplit('.', 2)[0]}, which this copy of the "
+            f"template does not have; set parallel=ddp."
+        ) from None
+    return builder(cfg, info, amp=amp)
 
 
 @dataclass(kw_only=True)
