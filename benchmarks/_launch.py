@@ -146,17 +146,25 @@ def ratios(seconds: dict[str, list[float]], variant: str, base: str) -> list[flo
     return [a / b for a, b in zip(seconds[variant], seconds[base], strict=True)]
 
 
+DEFAULT_JOB = "default job (digits, small_cnn, batch 32), 2 ranks, gloo, CPU"
+
+
 def paired_table(
-    seconds: dict[str, list[float]], base: str, *, epochs: int, steps: int, note: str = ""
+    seconds: dict[str, list[float]],
+    base: str,
+    *,
+    epochs: int,
+    steps: int,
+    note: str = "",
+    job: str = DEFAULT_JOB,
 ) -> list[str]:
-    """The report of paired rounds on the default job: its line, and a table of each
-    variant's ms per step (median, range) and the median of its ratios to ``base`` taken
-    within each round."""
+    """The report of paired rounds on ``job``: its line, and a table of each variant's ms per
+    step (median, range) and the median of its ratios to ``base`` taken within each round."""
     import statistics
 
     per_step_ms = 1000 / (epochs * steps)
     rows = [
-        f"default job (digits, small_cnn, batch 32), 2 ranks, gloo, CPU; {epochs} epochs x "
+        f"{job}; {epochs} epochs x "
         f"{steps} steps per measurement, {len(seconds[base])} paired rounds{note} (load "
         f"{os.getloadavg()[0]:.2f})",
         "",

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from _launch import git_state, publish, ratios, under_torchrun  # noqa: E402
+from _launch import git_state, paired_table, publish, under_torchrun  # noqa: E402
 
 LAYOUTS = ("ddp", "fsdp2")
 TIMED = ("ddp", "fsdp2", "ddp (A/A)")
@@ -105,8 +104,16 @@ def ranks(args: argparse.Namespace) -> None:
         handle.remove()
         largest = max(seen, key=lambda row: sum(row.values()))
         full = sum(p.numel() * 4 for p in tr.module.parameters())  # fp32, whole
+        units = [tr.module.get_submodule(u) for u in getattr(tr.parallel, "units", [])]
+        unit_bytes = [sum(p.numel() * 4 for p in u.parameters()) for u in units]
+        largest_unit = max([*unit_bytes, full - sum(unit_bytes)])  # the root's own too
         peak = torch.cuda.max_memory_allocated() - before if cuda else None
-        result["memory"][layout] = {**largest, "whole_parameters": full, "cuda_peak": peak}
+        result["memory"][layout] = {
+            **largest,
+            "whole_parameters": full,
+            "largest_unit": largest_unit,
+            "cuda_peak": peak,
+        }
     if args.rounds and info.world_size == 2:
         states = {k: TrainState() for k in LAYOUTS}
         seconds: dict[str, list[float]] = {v: [] for v in TIMED}
@@ -146,32 +153,19 @@ def report(args: argparse.Namespace, worlds: list[int]) -> str:
         cuda = "—" if None in peaks else ", ".join(f"{b / MIB:.1f}" for b in peaks)
         lines.append(f"| {w} | {d / MIB:.2f} | {f / MIB:.2f} | {f / d:.3f}x | {parts} | {cuda} |")
     whole = rows[worlds[0]]["memory"]["fsdp2"]["whole_parameters"] / MIB
+    unit = rows[worlds[0]]["memory"]["fsdp2"]["largest_unit"] / MIB
     lines += [
         "",
         f"Held for a while besides (not counted above): activations (the same per rank under "
         f"both layouts), DDP's gradient buckets (a second copy of the gradients, "
         f"{whole:.2f} MiB), and under FSDP2 the unit being gathered and the next one "
-        f"prefetched (the largest unit, a block, is about {whole / 5:.2f} MiB of the "
-        f"{whole:.2f} MiB of parameters).",
+        f"prefetched (the largest unit, whole, is {unit:.2f} MiB of the {whole:.2f} MiB of "
+        f"parameters).",
     ]
     timed = rows.get(2, {}).get("seconds")
     if timed:
-        per_step = 1000 / args.steps
-        lines += [
-            "",
-            f"Steady step time at W = 2, {args.rounds} paired rounds of {args.steps} steps "
-            f"(load {os.getloadavg()[0]:.2f}):",
-            "",
-            "| layout | ms/step (median) | min-max | vs ddp (median of paired ratios) |",
-            "|---|---|---|---|",
-        ]
-        for variant, times in timed.items():
-            ms = [t * per_step for t in times]
-            paired = ratios(timed, variant, "ddp")
-            lines.append(
-                f"| {variant} | {statistics.median(ms):.1f} | {min(ms):.1f}-{max(ms):.1f} | "
-                f"{statistics.median(paired):.3f}x ({min(paired):.3f}-{max(paired):.3f}) |"
-            )
+        job = "the GPT of experiment=lm_bytes, 2 ranks"
+        lines += ["", *paired_table(timed, "ddp", epochs=1, steps=args.steps, job=job)]
     return "\n".join(lines)
 
 

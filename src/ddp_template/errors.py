@@ -4,6 +4,8 @@ Its message is one sentence that names the key, the bad value and the fix; ``tra
 it without a traceback and exits with ``EXIT_CONFIG_ERROR``.
 """
 
+import functools
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -72,3 +74,19 @@ def instantiate_clean(node: Any, **kwargs: Any) -> Any:
         if isinstance(exc.__cause__, ConfigError):
             raise exc.__cause__ from None
         raise
+
+
+def command(main: Callable[..., None]) -> Callable[..., int]:
+    """A command line's ``main``: exit status 0 when it returns, ``EXIT_CONFIG_ERROR`` with its
+    refusal said in one line on stderr (``error: …``), no traceback."""
+
+    @functools.wraps(main)
+    def run(*args: Any, **kwargs: Any) -> int:
+        try:
+            main(*args, **kwargs)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
+        return 0
+
+    return run

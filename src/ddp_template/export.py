@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ddp_template.checkpoint import load, save_atomic, whole
-from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
+from ddp_template.errors import ConfigError, command
 
 FIX = "pass a checkpoint of a run, e.g. outputs/<run id>/checkpoints/last.pt"
 
@@ -43,18 +43,14 @@ def export(ckpt: Path, out: Path, *, ema: bool = False) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+@command
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ddp_template.export", description=__doc__)
     parser.add_argument("ckpt", type=Path, help="a checkpoint (.pt) of a run")
     parser.add_argument("out", type=Path, help="the file to write (a state_dict)")
     parser.add_argument("--ema", action="store_true", help="the EMA's weights")
     args = parser.parse_args(argv)
-    try:
-        print(export(args.ckpt, args.out, ema=args.ema))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    return 0
+    print(export(args.ckpt, args.out, ema=args.ema))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ from ddp_template.data.splits import build_splits
 from ddp_template.data.transforms import apply_transforms
 from ddp_template.distributed import DistInfo
 from ddp_template.elastic import read_segments
-from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError, Misfit
+from ddp_template.errors import ConfigError, Misfit, command
 from ddp_template.models import build_model, weights_part
 from ddp_template.rng import RngState
 from ddp_template.spike import sample_losses
@@ -398,27 +398,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+@command
+def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    try:
-        for flag in ("save", "losses"):
-            if getattr(args, flag) is not None and args.step is None:
-                raise ConfigError(f"--{flag} needs --step S; pass the step it is about.")
-        run = load_run(args.run_dir, args.world_size)
-        if args.index is not None:
-            _print_hits(args.index, index_hits(run, args.index), args.json)
-            return 0
-        rows = step_rows(run, args.step)
-        if args.losses is not None:
-            print(step_losses(run, rows, args.losses), file=sys.stderr)
-        _print_step(run, rows, args.json)
-        if args.save is not None:
-            path = save_batch(run, rows, args.save)
-            print(f"saved {path}", file=sys.stderr)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    return 0
+    for flag in ("save", "losses"):
+        if getattr(args, flag) is not None and args.step is None:
+            raise ConfigError(f"--{flag} needs --step S; pass the step it is about.")
+    run = load_run(args.run_dir, args.world_size)
+    if args.index is not None:
+        _print_hits(args.index, index_hits(run, args.index), args.json)
+        return
+    rows = step_rows(run, args.step)
+    if args.losses is not None:
+        print(step_losses(run, rows, args.losses), file=sys.stderr)
+    _print_step(run, rows, args.json)
+    if args.save is not None:
+        path = save_batch(run, rows, args.save)
+        print(f"saved {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from ddp_template.checkpoint import load as load_checkpoint
 from ddp_template.checkpoint import whole
 from ddp_template.data.contract import DataInfo
 from ddp_template.data.splits import build_splits
-from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
+from ddp_template.errors import ConfigError, command
 from ddp_template.models import build_model
 
 WRAPPERS = ("_orig_mod.", "module.")  # torch.compile's and DDP's key prefixes
@@ -177,23 +177,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+@command
+def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    try:
-        text = sample(
-            args.ckpt,
-            prompt=args.prompt,
-            prompt_ids_text=args.prompt_ids,
-            tokens=args.tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            seed=args.seed,
-        )
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+    text = sample(
+        args.ckpt,
+        prompt=args.prompt,
+        prompt_ids_text=args.prompt_ids,
+        tokens=args.tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
     print(text)
-    return 0
 
 
 if __name__ == "__main__":

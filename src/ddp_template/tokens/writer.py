@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
+from ddp_template.errors import ConfigError, command
 from ddp_template.tokens.file import BYTES, TokenMeta, write_tokens
 
 
@@ -43,26 +43,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+@command
+def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
+    if not args.text.is_file():
+        raise ConfigError(f"--text {args.text}: no such file; pass a UTF-8 text file.")
+    raw = args.text.read_bytes()
     try:
-        if not args.text.is_file():
-            raise ConfigError(f"--text {args.text}: no such file; pass a UTF-8 text file.")
-        raw = args.text.read_bytes()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(
-                f"--text {args.text} is not UTF-8 (byte {exc.start}); convert it, e.g. with "
-                f"iconv -t UTF-8."
-            ) from None
-        meta = write_text(text, args.out, args.val_fraction)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"--text {args.text} is not UTF-8 (byte {exc.start}); convert it, e.g. with "
+            f"iconv -t UTF-8."
+        ) from None
+    meta = write_text(text, args.out, args.val_fraction)
     counts = ", ".join(f"{name} {n:,} tokens" for name, n in meta.tokens.items())
     print(f"wrote {args.out}: {counts} (byte-level, vocab_size {meta.vocab_size})")
-    return 0
 
 
 if __name__ == "__main__":
