@@ -12,7 +12,8 @@ batch 6 x accumulate 2 x 2 ranks, gradient clipping and an EMA, checkpointing ev
 - the finished run's checkpoint evaluated at 1 and 3 ranks: the 2-rank numbers on 97 test
   windows (a count 2 and 3 do not divide: the ranks run different numbers of batches);
 - finetune.init_from across layouts, both ways, and `export` of the sliced weights;
-- the default job with syncbn=on under HSDP (parallel.replicate=2) equal to DDP's.
+- the default job with syncbn=on under HSDP (parallel.replicate=2) equal to DDP's;
+- compile=true on the sliced GPT learning as the eager run does.
 """
 
 from __future__ import annotations
@@ -178,3 +179,14 @@ def test_the_default_job_with_syncbn_under_hsdp_equals_ddp(tmp_path: Path) -> No
     assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-6)
     log = (tmp_path / "outputs/hsdp/train.log").read_text()
     assert "mesh replicate 2 x shard 1" in log
+
+
+@pytest.mark.slow
+def test_a_compiled_fsdp2_run_learns_as_the_eager_one(runs, tmp_path: Path) -> None:
+    """compile=true on the sliced GPT (Inductor on CPU) ends on the eager run's test loss (to
+    10⁻³: Inductor's fused kernels round otherwise), every epoch's verdict ok."""
+    out, data = runs
+    launch(tmp_path, data, "compiled", FSDP2, "dist.nproc=2", "compile=true")
+    eager, compiled = summary(out / "outputs/fsdp2"), summary(tmp_path / "outputs/compiled")
+    assert compiled["eval_loss"] == pytest.approx(eager["eval_loss"], rel=1e-3)
+    assert verdicts(tmp_path / "outputs/compiled") == [(1, TRAIN_WINDOWS)] * 2
