@@ -148,6 +148,16 @@ RUN_ID=gpu-check-fsdp2 timeout "$RUN_TIMEOUT" "$PY" train.py experiment=lm_bytes
     || { tail -30 "$OUT/fsdp2.log"; exit 1; }
 grep -h "fsdp2: fully_shard" "$OUT/fsdp2.log" | head -1 | sed 's/.* - //'
 finished "$OUT/outputs/gpu-check-fsdp2"
+if [[ "$DRY" != 1 ]]; then  # the slices and the optimizer state in CPU memory (CUDA only)
+    RUN_ID=gpu-check-offload timeout "$RUN_TIMEOUT" "$PY" train.py experiment=lm_bytes \
+        parallel=fsdp2 parallel.offload=true "backend=$BACKEND" "amp=$FSDP_AMP" \
+        "dist.nproc=$FSDP_RANKS" epochs=1 "max_steps_per_epoch=$STEPS" logger=none \
+        "paths.output_root=$OUT/outputs" "paths.multirun_root=$OUT/multirun" \
+        "paths.data_root=$OUT/data" > "$OUT/offload.log" 2>&1 \
+        || { tail -30 "$OUT/offload.log"; exit 1; }
+    echo -n "parallel.offload=true: "
+    finished "$OUT/outputs/gpu-check-offload"
+fi
 timeout "$((2 * RUN_TIMEOUT))" "$PY" benchmarks/fsdp2.py --backend "$BACKEND" --amp "$FSDP_AMP" \
     --worlds "$(seq -s, 1 "$FSDP_RANKS")" --rounds 3 --steps "$STEPS" --scratch "$OUT/fsdp2" \
     | sed -n '/^| W /,/^$/p'
