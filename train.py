@@ -137,7 +137,7 @@ def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Bui
     trained = parallel.wrap(model)  # DDP wraps the model; FSDP2 slices it in place
     log.info("%s", parallel.describe())
     if cfg.compile:
-        trained = compile_model(trained)  # after DDP, as DDP recommends
+        trained = compile_model(trained)  # after the layout (DDP: as DDP recommends)
     optimizer = build_optimizer(cfg.optim, model)
     amp_mode = parallel.autocast(str(cfg.amp.mode))  # FSDP2: bf16 is its policy's
     trainer = Trainer(
