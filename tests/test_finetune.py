@@ -29,6 +29,7 @@ from wandb_reader import find_runs
 
 from ddp_template.config import boundary
 from ddp_template.config.schema import FinetuneConfig
+from ddp_template.data.contract import DataInfo
 from ddp_template.data.loader import build_eval_loader
 from ddp_template.data.splits import build_splits
 from ddp_template.engine import _step
@@ -153,6 +154,18 @@ def test_label_smoothing_is_the_training_loss() -> None:
     expected = F.cross_entropy(model(x), y, label_smoothing=0.2)
     loss = _step(tr, x, y, want_norm=False).loss
     assert torch.allclose(loss, expected) and not torch.allclose(loss, F.cross_entropy(model(x), y))
+
+
+def test_a_diverged_models_evaluation_reports_its_nan_loss_and_its_counts() -> None:
+    """An fp16 run that overflowed gives NaN logits: the counts stay whole, the loss is NaN
+    (it used to stop the run converting the NaN to an int)."""
+    task = Classification()
+    task.setup(DataInfo(num_classes=3), torch.device("cpu"))
+    sums = task.sums(torch.device("cpu"))
+    task.update(sums, torch.tensor([[0.0, 9.0, 0.0], [float("nan")] * 3]), torch.tensor([1, 2]))
+    result = task.result(sums)
+    assert (result.count, result.details["per_class_count"]) == (2, [0, 1, 1])
+    assert result.values["correct"] == 1 and torch.isnan(torch.tensor(result.values["loss"]))
 
 
 def test_val_fraction_carves_a_disjoint_seeded_split() -> None:

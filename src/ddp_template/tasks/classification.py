@@ -72,7 +72,8 @@ class Classification(Task):
 
     def result(self, sums: Tensor) -> EvalResult:
         c = self.num_classes
-        n = [int(v) for v in sums.tolist()]
+        # The counts are whole; the loss may be NaN (a diverged model) and is reported as such.
+        n = [int(v) if i != 2 else 0 for i, v in enumerate(sums.tolist())]
         correct, count, loss_sum = n[0], n[1], float(sums[2].item())
         accuracy = correct / count if count else 0.0
         loss = loss_sum / count if count else float("nan")
