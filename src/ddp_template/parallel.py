@@ -16,6 +16,7 @@ evaluated and checkpointed, so a compiled run's checkpoint resumes uncompiled an
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -74,17 +75,15 @@ def build_parallel(cfg: ParallelConfig, ddp: DDPConfig, info: DistInfo, *, amp: 
     names."""
     if cfg.name == "ddp":
         return Replicated(cfg=ddp, info=info)
-    from hydra.utils import get_method
-
-    target = PARALLEL[str(cfg.name)]
+    module, _, builder = PARALLEL[str(cfg.name)].rpartition(".")
     try:
-        builder = get_method(target)
-    except ImportError:  # its optional folder deleted
+        found = importlib.import_module(module)
+    except ModuleNotFoundError:  # its optional folder deleted
         raise ConfigError(
-            f"parallel={cfg.name} needs {target.rsplit('.', 2)[0]}, which this copy of the "
-            f"template does not have; set parallel=ddp."
+            f"parallel={cfg.name} needs {module}, which this copy of the template does not "
+            f"have; set parallel=ddp."
         ) from None
-    return builder(cfg, info, amp=amp)
+    return getattr(found, builder)(cfg, info, amp=amp)
 
 
 @dataclass(kw_only=True)
