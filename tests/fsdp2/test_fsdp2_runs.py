@@ -64,6 +64,7 @@ LM = [
     "ema.decay=0.9",
     "sampler=exact",
     "loader.batch_size=6",
+    "loader.eval_batch_size=8",  # 97 test windows: 7 and 6 batches at 2 ranks, 5, 4, 4 at 3
     "epochs=1",
     "log_every=1",
     "checkpoint.every_steps=7",  # DCP writes a checkpoint in ~50 ms here: step 14's is the kill's
