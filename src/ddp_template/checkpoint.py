@@ -105,24 +105,29 @@ def slices_of(path: Path, payload: dict[str, Any]) -> Path:
     return path.parent / SLICES / payload["slices"]
 
 
-def whole(path: Path, payload: dict[str, Any], *keys: str) -> dict[str, torch.Tensor]:
+def _slice_metadata(where: Path) -> dict[str, Any]:
+    """What a DCP directory holds, by flattened key (``<part>.<key>…``)."""
+    return dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+
+
+def whole(path: Path, payload: dict[str, Any], *keys: str) -> dict[str, torch.Tensor] | None:
     """The tensors under ``keys`` of a checkpoint (a part's name, then keys inside its state),
-    whole, by name: from the file, or read from its slices (every rank's, no process group)."""
+    whole, by name: from the file, or read from its slices (every rank's, no process group);
+    None where the checkpoint holds none."""
     if "slices" not in payload or keys[0] in payload:
         state: Any = payload
         for key in keys:
-            state = state[key]
+            state = state.get(key) if isinstance(state, dict) else None
         return state
     where = slices_of(path, payload)
     prefix = ".".join(keys) + "."
-    meta = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
     state = {
         k: torch.empty(m.size, dtype=m.properties.dtype)
-        for k, m in meta.items()
+        for k, m in _slice_metadata(where).items()
         if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
     }
     if not state:
-        raise KeyError(keys[0])
+        return None
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=where, no_dist=True)
@@ -203,12 +208,12 @@ class Checkpointer:
             payload["slices"] = self._save_slices()
             slices = slices_of(path, payload)
         if self.info.is_main:
+            kept = epochs_done is not None and self.cfg.keep > 0
             files = [path, *written.values()]
-            if epochs_done is not None and self.cfg.keep > 0:
-                files.append(self.directory / f"epoch_{epochs_done}.pt")
+            files += [self.directory / f"epoch_{epochs_done}.pt"] if kept else []
             for file in files:
                 save_atomic(payload, file)
-            if epochs_done is not None and self.cfg.keep > 0:
+            if kept:
                 self._prune()
             if self.sliced:
                 self._prune_slices(payload["slices"], files)
@@ -371,8 +376,7 @@ def _load_slices(parts: dict[str, Stateful], found: Found) -> None:
         return
     path, payload = found
     where = slices_of(path, payload)
-    meta = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
-    saved = {key.split(".", 1)[0] for key in meta}
+    saved = {key.split(".", 1)[0] for key in _slice_metadata(where)}
     state = {name: part.state_dict() for name, part in parts.items() if name in saved}
     dcp.load(state, checkpoint_id=where)  # a collective: every rank reads what its slices need
     _load_parts(parts, state, path)

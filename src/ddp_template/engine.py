@@ -34,7 +34,7 @@ from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.distributed import DistInfo
 from ddp_template.ledger.records import PriorSegment, SavedLedger
 from ddp_template.ledger.tally import IndexTally
-from ddp_template.parallel import Parallel
+from ddp_template.parallel import Parallel, ddp_of, uncompiled
 from ddp_template.task import Task
 
 
@@ -102,14 +102,13 @@ class Trainer:
 
     @property
     def ddp(self) -> DDP | None:
-        inner = getattr(self.model, "_orig_mod", self.model)  # torch.compile's wrapper
-        return inner if isinstance(inner, DDP) else None
+        return ddp_of(self.model)
 
     @property
     def module(self) -> nn.Module:
         """The unwrapped, uncompiled model: what is evaluated and checkpointed."""
-        inner = getattr(self.model, "_orig_mod", self.model)
-        return inner.module if isinstance(inner, DDP) else inner
+        ddp = ddp_of(self.model)
+        return ddp.module if ddp is not None else uncompiled(self.model)
 
 
 @dataclass

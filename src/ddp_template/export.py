@@ -24,15 +24,14 @@ def export(ckpt: Path, out: Path, *, ema: bool = False) -> str:
         raise ConfigError(f"checkpoint {ckpt} does not exist; {FIX}.")
     payload = load(ckpt, fix=FIX)
     keys = ("ema", "model") if ema else ("model",)
-    try:
-        state = whole(ckpt, payload, *keys)
-    except (KeyError, TypeError):
+    state = whole(ckpt, payload, *keys)
+    if state is None:
         held = (
             "no EMA weights (it was written without ema.decay); drop --ema"
             if ema
             else (f"no model weights; {FIX}")
         )
-        raise ConfigError(f"checkpoint {ckpt} holds {held}.") from None
+        raise ConfigError(f"checkpoint {ckpt} holds {held}.")
     state = {name: t.detach().clone() for name, t in state.items()}  # no views of a larger file
     save_atomic(state, out)
     count = sum(t.numel() for t in state.values() if t.is_floating_point())

@@ -29,15 +29,14 @@ def init_weights(cfg: FinetuneConfig, module: torch.nn.Module) -> LoadReport:
             f"outputs/<run id>/checkpoints/last.pt or best.pt."
         )
     payload = load(path, fix="pass another checkpoint with finetune.init_from=<path>")
-    try:
-        state = whole(path, payload, *(("ema", "model") if cfg.ema else ("model",)))
-    except (KeyError, TypeError):
+    state = whole(path, payload, *(("ema", "model") if cfg.ema else ("model",)))
+    if state is None:
         raise ConfigError(
             f"finetune.ema=true but checkpoint {path} holds no EMA weights (it was written "
             f"without EMA); set finetune.ema=false to take its model weights."
             if cfg.ema
             else f"checkpoint {path} holds no model weights; pass a training checkpoint."
-        ) from None
+        )
     source = f"finetune.init_from={cfg.init_from}" + (" (EMA)" if cfg.ema else "")
     fix = ", or set finetune.strict=false to load only the keys both have"
     return load_matching(module, state, strict=cfg.strict, source=source, fix=fix)

@@ -101,14 +101,14 @@ class Replicated:
         return copy
 
     def sync(self, trained: nn.Module, sync: bool) -> AbstractContextManager:
-        ddp = _ddp(trained)
+        ddp = ddp_of(trained)
         return nullcontext() if sync or ddp is None else ddp.no_sync()
 
     def clip(self, trained: nn.Module, limit: float) -> torch.Tensor:
         return nn.utils.clip_grad_norm_(trained.parameters(), limit)
 
     def settle(self, trained: nn.Module, x: Any) -> None:
-        settle_buckets(_ddp(trained), x)
+        settle_buckets(ddp_of(trained), x)
 
     def optimizer_part(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
         return optimizer
@@ -124,8 +124,14 @@ class Replicated:
         )
 
 
-def _ddp(trained: nn.Module) -> DDP | None:
-    inner = getattr(trained, "_orig_mod", trained)  # torch.compile's wrapper
+def uncompiled(trained: nn.Module) -> nn.Module:
+    """What trains without torch.compile's wrapper: the DDP module, or the (sliced) model."""
+    return getattr(trained, "_orig_mod", trained)
+
+
+def ddp_of(trained: nn.Module) -> DDP | None:
+    """The DDP module of what trains, or None (one process, FSDP2)."""
+    inner = uncompiled(trained)
     return inner if isinstance(inner, DDP) else None
 
 

@@ -25,12 +25,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ddp_template.config.schema import ParallelConfig
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import Misfit, Unanimous
+from ddp_template.parallel import uncompiled
 
 
 def build_fsdp2(cfg: ParallelConfig, info: DistInfo, *, amp: str) -> FullySharded:
@@ -65,11 +66,10 @@ class FullySharded:
     mesh: DeviceMesh
     param_dtype: torch.dtype | None  # amp=bf16: the forward's parameters in bfloat16
     sliced: bool = True
-    units: list[str] = field(default_factory=list)  # what wrap sharded besides the root
+    units: list[str] = field(default_factory=list)  # what was sharded besides the root
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """``fully_shard`` on each unit, innermost first, then on the root (in place)."""
-        self.units = unit_names(module, self.cfg.units)
         self._shard(module)
         return module
 
@@ -78,6 +78,7 @@ class FullySharded:
         return copy
 
     def _shard(self, module: nn.Module) -> None:
+        self.units = unit_names(module, self.cfg.units)  # a copy of the model has the same
         kwargs: dict[str, Any] = {
             "mesh": self.mesh,
             "reshard_after_forward": self.cfg.reshard_after_forward,
@@ -95,7 +96,7 @@ class FullySharded:
     def sync(self, trained: nn.Module, sync: bool) -> AbstractContextManager:
         # Off: the micro-batch's gradients accumulate unsharded on this rank, with no
         # reduce-scatter, until the step's last micro-batch reduces their sum.
-        _root(trained).set_requires_gradient_sync(sync)
+        uncompiled(trained).set_requires_gradient_sync(sync)
         return nullcontext()
 
     def clip(self, trained: nn.Module, limit: float) -> torch.Tensor:
@@ -122,10 +123,6 @@ class FullySharded:
         )
         dtype = "bf16 forward, fp32 reduction" if self.param_dtype else "fp32"
         return f"fsdp2: fully_shard on {units if self.units else 'the root'}; mesh {mesh}; {dtype}"
-
-
-def _root(trained: nn.Module) -> FSDPModule:
-    return getattr(trained, "_orig_mod", trained)  # torch.compile's wrapper
 
 
 def _names(names: list[str]) -> str:
