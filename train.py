@@ -79,6 +79,7 @@ from ddp_template.sinks.share_plot import draw_shares_async
 from ddp_template.spike import build_spikes
 from ddp_template.switches import build_switches
 from ddp_template.task import EvalResult, build_task, objective, register_sweep_direction
+from ddp_template.tolerance import Segment, Tolerance, build_tolerance
 
 gc.freeze()  # what was imported lives as long as the process: out of every later pass
 gc.enable()
@@ -264,7 +265,12 @@ def continuity(chain: Chain, link: Link | None, tr: Trainer, state: TrainState) 
 
 
 def fit(
-    cfg: Config, built: Built, state: TrainState, ckpt: Checkpointer, logger: RankLogger
+    cfg: Config,
+    built: Built,
+    state: TrainState,
+    ckpt: Checkpointer,
+    logger: RankLogger,
+    tolerance: Tolerance,
 ) -> EvalResult:
     """The epoch loop: set_epoch → train → account for the data → evaluate → select →
     checkpoint → log → stop?"""
@@ -272,7 +278,7 @@ def fit(
     every = cfg.checkpoint.preempt_check_every
     preempt = Preemption(info=info, every=every, run_id=logger.run.run_id)
     profiler = StepProfiler(cfg=cfg.profiler, run_dir=logger.run.run_dir, info=info)
-    on_step = step_hook(cfg, built, ckpt, logger, preempt, profiler)
+    on_step = step_hook(cfg, built, ckpt, logger, preempt, profiler, tolerance)
     try:
         for epoch in range(state.epoch, cfg.epochs):
             if selection.stops_before(epoch):
@@ -341,9 +347,10 @@ def step_hook(
     logger: RankLogger,
     preempt: Preemption,
     profiler: StepProfiler,
+    tolerance: Tolerance,
 ) -> StepHook:
-    """After every optimizer step: the switches, the logs (a spike's report), faults,
-    preemption, checkpoints."""
+    """After every optimizer step: the switches, the logs (a spike's report), faults, a
+    replacement's admission (fault_tolerance=live), preemption, checkpoints."""
     switches, tr = list(built.switches.values()), built.trainer
     rank, spikes = tr.info.rank, tr.spikes
     # uneven=join: a rank that joined runs this hook for each step it shadows, its optimizer
@@ -358,6 +365,7 @@ def step_hook(
         logger.step()
         profiler.step()
         fault_injection.maybe_fire(cfg.fault, s.step, rank)
+        tolerance.boundary(s.step)
         stop = preempt.requested(s.step)  # a signal on any rank stops all at one step
         if (stop and save_on_stop) or ckpt.due(s.step):
             ckpt.save()
@@ -366,49 +374,81 @@ def step_hook(
     return after_step
 
 
+def begin(
+    cfg: Config,
+    run: run_identity.RunInfo,
+    built: Built,
+    ckpt: Checkpointer,
+    chain: Chain,
+    state: TrainState,
+    found: Found | None,
+    resize: Resize | None,
+    logger: RankLogger,
+) -> Any:
+    """Resume (or start fresh), record the segment, and say what the run is about to do;
+    returns the shares picture's drawing thread (rank 0, where drawn)."""
+    info = built.trainer.info
+    line = resume(cfg, built, ckpt, chain, state, found, resize)
+    if info.is_main:
+        record_segment(run.run_dir, cfg=cfg, state=state, world_size=info.world_size)
+    logger.ready()  # every rank's W&B run exists before anyone logs
+    if line:
+        logger.log_resume(line, state.step)
+    if resize:
+        logger.log({f"elastic/{k}": v for k, v in resize.record().items()}, state.step)
+    logger.log_sizes(built.splits, state.step)
+    global_batch = cfg.loader.batch_size * info.world_size * cfg.optim.accumulate
+    if info.is_main:
+        log.info("effective global batch %d (batch_size x world size x accumulate)", global_batch)
+        logger.log({"train/global_batch": global_batch}, state.step)
+    draws = cfg.share_picture and info.is_main and built.kind.pictured
+    return draw_shares_async(built.trainer.sampler, run.run_dir) if draws else None
+
+
 def train(cfg: Config, run: run_identity.RunInfo) -> float:
     """One rank's whole run; returns the sweep's objective: the task's monitored metric on the
     split evaluated each epoch (the validation split when there is one)."""
     numerics.apply(cfg.numerics)  # before this rank's first CUDA work
-    info = distributed.setup(cfg.backend)
+    tolerance = build_tolerance(cfg.fault_tolerance, cfg.backend)  # off: the restart path
+    info, found = tolerance.setup()  # live: a replacement joins with the state handed over
     logger, exit_code = None, 1
     try:
         exit_records.record_start(run.run_dir, info.rank)  # for a peer that outlives this rank
         setup_console(info, run.run_dir)
         log.info("%s", info.describe())
         log.info("numerics: %s", numerics.describe())
-        found = resume_rank0(cfg.resume, run.run_dir / "checkpoints", info)
-        with unanimous():  # every rank decides alike from the one checkpoint
-            resize = plan_resize(cfg.elastic, found=found, run=cfg, info=info)
-        cfg = resize.adjust(cfg) if resize else cfg  # its batch and accumulation from here on
-        boundary.check_join(cfg)  # uneven=join vs the accumulation a resize chose
-        config = boundary.plain(cfg) | ({"resize": resize.record()} if resize else {})
-        logger = RankLogger(cfg=cfg.logger, run=run, info=info, config=config)  # W&B starts
-        built = build(cfg, info, fresh=found is None)  # ...while this builds
-        state = TrainState()
-        chain = build_chain(cfg, plain=config, run=run.run_id, data=built.data)
-        ckpt = checkpointer(cfg, built, state, chain, run.run_dir, OmegaConf.to_yaml(config))
-        line = resume(cfg, built, ckpt, chain, state, found, resize)
-        if info.is_main:
-            record_segment(run.run_dir, cfg=cfg, state=state, world_size=info.world_size)
-        logger.ready()  # every rank's W&B run exists before anyone logs
-        if line:
-            logger.log_resume(line, state.step)
-        if resize:
-            logger.log({f"elastic/{k}": v for k, v in resize.record().items()}, state.step)
-        logger.log_sizes(built.splits, state.step)
-        global_batch = cfg.loader.batch_size * info.world_size * cfg.optim.accumulate
-        if info.is_main:
-            log.info(
-                "effective global batch %d (batch_size x world size x accumulate)", global_batch
-            )
-            logger.log({"train/global_batch": global_batch}, state.step)
-        draws = cfg.share_picture and info.is_main and built.kind.pictured
-        picture = draw_shares_async(built.trainer.sampler, run.run_dir) if draws else None
-        result = fit(cfg, built, state, ckpt, logger)
+        regroup = found is not None  # handed over: continued like a checkpoint of the old group
+        if not regroup:
+            found = resume_rank0(cfg.resume, run.run_dir / "checkpoints", info)
+        while True:  # fault_tolerance=live: once per membership, each continuing the last
+            with unanimous():  # every rank decides alike from the one checkpoint
+                resize = plan_resize(cfg.elastic, found=found, run=cfg, info=info, regroup=regroup)
+            now = resize.adjust(cfg) if resize else cfg  # its batch and accumulation from here on
+            boundary.check_join(now)  # uneven=join vs the accumulation a resize chose
+            config = boundary.plain(now) | ({"resize": resize.record()} if resize else {})
+            if logger is None:
+                logger = RankLogger(cfg=now.logger, run=run, info=info, config=config)  # W&B
+            else:
+                logger.regroup(info)
+            built = build(now, info, fresh=found is None)  # ...while this builds
+            state = TrainState()
+            chain = build_chain(now, plain=config, run=run.run_id, data=built.data)
+            ckpt = checkpointer(now, built, state, chain, run.run_dir, OmegaConf.to_yaml(config))
+            picture = begin(now, run, built, ckpt, chain, state, found, resize, logger)
+            fault_injection.arm(now.fault, built.trainer, state)
+            try:
+                result = fit(now, built, state, ckpt, logger, tolerance)
+                break
+            except Exception as exc:  # live: a lost rank (or a replacement) regroups the ranks
+                regrouped = tolerance.recover(exc, state.step)
+                if regrouped is None:
+                    raise
+                found = tolerance.handover(Segment(ckpt, state, built.trainer), regrouped)
+                info, regroup = regrouped, True
+                setup_console(info, run.run_dir)
         logger.finish_run(result, built.splits, state.step, picture)
         exit_code = 0
-        name, _ = objective(built.trainer.task, cfg.selection.monitor, cfg.selection.mode)
+        name, _ = objective(built.trainer.task, now.selection.monitor, now.selection.mode)
         return built.evaluation.latest().values[name]
     except ConfigError as exc:  # one sentence, no traceback: the message says the fix
         say_refusal(exc, info.rank)  # one every rank met alike: rank 0 says it

@@ -170,13 +170,16 @@ class Checkpointer:
     seal: Callable[[dict[str, Any]], Any] | None = None
     _named: dict[str, str | None] | None = None  # each checkpoint file's slices, once read
 
-    def payload(self) -> dict[str, Any]:
-        mine = {name: part.state_dict() for name, part in self.rank_parts.items()}
-        ranks = gather_objects(mine, self.info)
+    def payload(self, ranks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """What a checkpoint holds; ``ranks``: every rank's parts, already gathered (a live
+        regroup's, where a lost rank's are derived), else gathered here (a collective)."""
+        if ranks is None:
+            mine = {name: part.state_dict() for name, part in self.rank_parts.items()}
+            ranks = gather_objects(mine, self.info)
         payload = {name: part.state_dict() for name, part in self.parts.items()} | {
             "format": FORMAT_VERSION,
             "config": self.config_yaml,
-            "world_size": self.info.world_size,
+            "world_size": len(ranks),
             "ranks": ranks,
         }
         if self.seal is not None:
@@ -302,7 +305,7 @@ def restore(
     path, payload = found
     world = payload["world_size"]
     same = {k: v for k, v in payload.items() if k not in RECORD}
-    if world == info.world_size:
+    if world == info.world_size and not resized:
         _load_parts(parts, same, path)
         _load_parts(rank_parts, payload["ranks"][info.rank], path)
         return

@@ -177,6 +177,27 @@ def _restart_safe_store(world: int, timeout: timedelta) -> dict[str, Any]:
     return {"store": dist.PrefixStore(f"ddp_template/attempt_{attempt}", store)}
 
 
+def setup_local(cfg: BackendConfig) -> DistInfo:
+    """This launched rank's device, threads and info, without joining a process group
+    (``fault_tolerance=live`` joins its own, reconfigurable one)."""
+    ranks = cluster.detect()
+    local_world, local_rank_given = node_ranks(1)
+    choice = choose_backend(cfg.name, local_world, local_rank_given=local_rank_given)
+    _share_cpu_threads(ranks.local_world_size)
+    return DistInfo(
+        rank=ranks.rank,
+        local_rank=ranks.local_rank,
+        world_size=ranks.world_size,
+        local_world_size=ranks.local_world_size,
+        backend=choice.name,
+        device=choose_device(choice.name, ranks.local_rank),
+        host=socket.gethostname(),
+        launcher=os.environ.get(LAUNCHER_VAR, "none"),
+        master=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
+        why=choice.why,
+    )
+
+
 def setup(cfg: BackendConfig) -> DistInfo:
     """The ``backend`` group's builder: join the process group the environment describes (a
     plain process joins none), on the device this rank owns."""

@@ -83,15 +83,17 @@ class Resize:
 
 
 def plan_resize(
-    cfg: ElasticConfig, *, found: Found | None, run: Config, info: DistInfo
+    cfg: ElasticConfig, *, found: Found | None, run: Config, info: DistInfo, regroup: bool = False
 ) -> Resize | None:
     """The resize ``found`` asks of this run, or None at the checkpoint's own world size;
-    refuses (one sentence) what ``elastic`` does not allow."""
-    if found is None or found.payload["world_size"] == info.world_size:
+    refuses (one sentence) what ``elastic`` does not allow. A live ``regroup`` (the state
+    handed over by the ranks that survived) is always one, at any size, whatever
+    ``elastic.on_resize`` says of checkpoints on disk: its members are other processes."""
+    if found is None or (found.payload["world_size"] == info.world_size and not regroup):
         return None
     path, payload = found
     world = int(payload["world_size"])
-    if cfg.on_resize == OnResize.refuse:
+    if cfg.on_resize == OnResize.refuse and not regroup:
         raise ConfigError(
             f"checkpoint {path} was written with world size {world} but this run has "
             f"{info.world_size} ranks and elastic.on_resize=refuse; resume with {world} ranks "

@@ -73,6 +73,9 @@ class TrainState:
     carried: SavedLedger | None = None
     # The current epoch's prefixes read at other world sizes, oldest first (elastic resume).
     prior: list[PriorSegment] = field(default_factory=list)
+    # The micro-batches of the step in flight (indices, worker...): they join the tally once
+    # the step commits, so a step broken by a lost rank leaves no trace (fault_tolerance=live).
+    held: list[tuple] = field(default_factory=list)
 
     @property
     def steps_before(self) -> int:
@@ -217,6 +220,12 @@ def new_tally(tr: Trainer, position: int) -> IndexTally:
     return IndexTally(keep=tr.keep_indices, workers=workers, first_worker=first)
 
 
+def _commit(tally: IndexTally, held: list[tuple]) -> None:
+    for batch in held:
+        tally.add(*batch)
+    held.clear()
+
+
 def train_one_epoch(
     tr: Trainer,
     state: TrainState,
@@ -242,8 +251,8 @@ def train_one_epoch(
                 tr.settled = True
             if tr.spikes is not None:  # before the forward: the RNG state it starts from
                 tr.spikes.hold(x, y, idx, tr.module)
+            state.held.append((idx.numpy(), *worker))
             loss = _forward_backward(tr, x, y, weight, sync=last)
-            stats.tally.add(idx.numpy(), *worker)
             loss_acc += loss * len(idx)
             interval_n += len(idx)
             if tr.spikes is not None:
@@ -256,6 +265,7 @@ def train_one_epoch(
             if skip:
                 stats.spiked += tr.spikes.own
             norm = _optimizer_step(tr, want_norm, skip)
+            _commit(stats.tally, state.held)
             state.position = tr.schedule.next_boundary(state.position)  # the same on every rank
             state.step += 1
             stats.steps += 1
@@ -275,6 +285,7 @@ def train_one_epoch(
                 stats.stopped = True
                 break
             waited = time.perf_counter()
+        _commit(stats.tally, state.held)  # a stream's last micro-batches past a step's end
         # Timed before Join's exit: a joined rank's wait for the others is not its step time.
         stats.loss_sum = float(loss_acc.item())  # waits for the device: time the whole epoch
         stats.wall_s = time.perf_counter() - start

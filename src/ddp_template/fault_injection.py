@@ -15,16 +15,28 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 from ddp_template.config.schema import FaultConfig
+from ddp_template.tolerance import INCARNATION_VAR
+
+
+def _attempt() -> int:
+    """The elastic restart attempt, or the live slot's replacement count."""
+    live = os.environ.get(INCARNATION_VAR)
+    return int(live if live is not None else os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def maybe_fire(fault: FaultConfig, step: int, rank: int) -> None:
     """Called after every optimizer step on every rank."""
     if fault.crash_at_step is None or step != fault.crash_at_step or rank != fault.rank:
         return
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != fault.attempt:
+    if fault.phase != "step" or _attempt() != fault.attempt:
         return
+    _strike(fault, step, rank)
+
+
+def _strike(fault: FaultConfig, step: int, rank: int) -> None:
     if fault.hold:
         signal.pause()  # returns once a handler has run (preemption's: the stop is agreed next)
         return
@@ -38,3 +50,22 @@ def maybe_fire(fault: FaultConfig, step: int, rank: int) -> None:
             os.killpg(os.getpgid(0), sig)
         return
     raise RuntimeError(f"fault injected: rank {rank} crashes after step {step}")
+
+
+def arm(fault: FaultConfig, trainer: Any, state: Any) -> None:
+    """``fault.phase=allreduce``: the fault strikes inside step ``crash_at_step``'s gradient
+    all-reduce on ``fault.rank``, once its own all-reduce is under way (a DDP communication
+    hook: the default all-reduce, then the fault)."""
+    if fault.phase != "allreduce" or fault.crash_at_step is None:
+        return
+    if trainer.info.rank != fault.rank or trainer.ddp is None or _attempt() != fault.attempt:
+        return
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+        future = allreduce_hook(process_group, bucket)
+        if state.step + 1 == fault.crash_at_step:
+            _strike(fault, state.step + 1, trainer.info.rank)
+        return future
+
+    trainer.ddp.register_comm_hook(None, hook)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import os
 import signal
@@ -25,6 +26,7 @@ from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMP
 from ddp_template.process import exit_records, server_start
 from ddp_template.process.preload import loaded_modules
 from ddp_template.run_identity import RunInfo
+from ddp_template.tolerance import SUPERVISOR, fallback_line, reconfigurable
 
 
 def _importable(fn: Any) -> Any:
@@ -61,6 +63,12 @@ def launch(fn: Any, cfg: Config, run: RunInfo) -> Any:
     """
     if launched_by_torchrun() or cfg.dist.nproc == 1:
         return fn(cfg, run)
+    if cfg.fault_tolerance.mode == "live":
+        why = reconfigurable()
+        if why is None:
+            module, name = SUPERVISOR.split(":")
+            return getattr(importlib.import_module(module), name)(_importable(fn), cfg, run)
+        print(f"warning: {fallback_line(why)}", file=sys.stderr)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

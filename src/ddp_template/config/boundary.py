@@ -112,6 +112,7 @@ def check(cfg: Config) -> None:
     _check_logger(cfg)
     _check_loop(cfg)
     _check_parallel(cfg)
+    _check_tolerance(cfg)
     check_join(cfg)
     for f in fields(cfg):  # a group's own checks live beside its schema, as its check()
         own = getattr(getattr(cfg, f.name), "check", None)
@@ -183,6 +184,45 @@ def _check_sizes(cfg: Config) -> None:
     require(
         cfg.checkpoint.preempt_check_every >= 1,
         f"checkpoint.preempt_check_every={cfg.checkpoint.preempt_check_every} must be >= 1.",
+    )
+
+
+def _check_tolerance(cfg: Config) -> None:
+    """What ``fault_tolerance=live`` needs: the template's launcher (its process hosts the
+    ranks' store and outlives them), gloo (the one backend torch can reconfigure), DDP."""
+    if cfg.fault_tolerance.mode != "live":
+        return
+    where = f"dist.nproc={cfg.dist.nproc}"
+    require(
+        not launched_by_torchrun(),
+        "fault_tolerance=live needs the template's launcher (python train.py dist.nproc=N): "
+        "torchrun, srun and mpirun end every rank when one dies, and only the launcher's own "
+        "process can host the ranks' store; launch with dist.nproc, or use "
+        "fault_tolerance=off (their restarts resume from the last checkpoint).",
+    )
+    require(
+        cfg.dist.nproc >= 2,
+        f"fault_tolerance=live with {where} has no peer to survive a death; set dist.nproc=2 "
+        f"or more, or fault_tolerance=off.",
+    )
+    require(
+        cfg.fault_tolerance.min_members <= cfg.dist.nproc,
+        f"fault_tolerance.min_members={cfg.fault_tolerance.min_members} exceeds {where}; lower it.",
+    )
+    require(
+        str(cfg.backend.name) != "nccl",
+        "fault_tolerance=live runs on gloo (torch can reconfigure only its gloo process group); "
+        "set backend=gloo or backend=auto (gloo on the CPU), or fault_tolerance=off.",
+    )
+    require(
+        str(cfg.parallel.name) == "ddp",
+        f"fault_tolerance=live rebuilds DDP after a regroup and does not reshard "
+        f"parallel={cfg.parallel.name}; use parallel=ddp, or fault_tolerance=off.",
+    )
+    require(
+        str(cfg.uneven) != "join",
+        "fault_tolerance=live cannot regroup inside torch's Join (uneven=join); use "
+        "uneven=stop, or fault_tolerance=off.",
     )
 
 

@@ -134,6 +134,23 @@ class FaultScope(Choice):
     node = "node"
 
 
+class Tolerance(Choice):
+    """What a rank's death does: end the group (a restart resumes from the last checkpoint), or
+    the survivors go on and a replacement rejoins (experimental: torch's reconfigurable gloo
+    process group)."""
+
+    off = "off"
+    live = "live"
+
+
+class FaultPhase(Choice):
+    """Where an injected fault strikes: after the optimizer step, or inside the step's
+    gradient all-reduce (the DDP communication hook of the step)."""
+
+    step = "step"
+    allreduce = "allreduce"
+
+
 class GlobalBatch(Choice):
     """At another world size: keep batch_size x W x accumulate, or the per-rank batch."""
 

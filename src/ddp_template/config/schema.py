@@ -22,6 +22,7 @@ from ddp_template.config.choices import (
     BackendName,
     Change,
     EvalSplit,
+    FaultPhase,
     FaultScope,
     GlobalBatch,
     LogCheckpoints,
@@ -34,6 +35,7 @@ from ddp_template.config.choices import (
     Schedule,
     StartMethod,
     SystemMetrics,
+    Tolerance,
     Uneven,
     WandbLayout,
     WandbMode,
@@ -222,6 +224,45 @@ class FaultConfig:
     scope: FaultScope = FaultScope.rank  # who gets the signal: rank | process_group | node
     hold: bool = False  # instead: stop after the step until a signal comes (a busy rank)
     attempt: int = 0  # only on this elastic restart attempt (so the restart can finish)
+    phase: FaultPhase = FaultPhase.step  # allreduce: inside the step's gradient all-reduce
+
+
+@dataclass
+class FaultToleranceConfig:
+    """``fault_tolerance=live`` (experimental): a rank's death is survived in place. The
+    launcher hosts the ranks' store and watches their heartbeats; the survivors regroup, take
+    the state of the one furthest on and deal the rest of the epoch among themselves; a
+    replacement for the dead rank's slot joins at a step boundary."""
+
+    mode: Tolerance = Tolerance.off
+    heartbeat_s: float = 0.5  # each rank's heartbeat into the launcher's store
+    dead_after_s: float = 5.0  # a rank silent this long is killed and counted lost (SIGSTOP)
+    min_members: int = 1  # fewer ranks alive: the run ends (resume from its last checkpoint)
+    replacements: int = 3  # processes the launcher starts in dead ranks' slots, in all
+    admit_every: int = 4  # steps between the checks for a waiting replacement (a collective)
+    regroup_timeout_s: float = 120.0  # the longest a regroup waits for its members
+
+    def check(self) -> None:
+        for key in ("heartbeat_s", "dead_after_s", "regroup_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(
+                    f"fault_tolerance.{key}={getattr(self, key)} must be positive; e.g. "
+                    f"fault_tolerance.{key}={getattr(FaultToleranceConfig, key)}."
+                )
+        if self.dead_after_s <= 2 * self.heartbeat_s:
+            raise ConfigError(
+                f"fault_tolerance.dead_after_s={self.dead_after_s} must exceed two heartbeats "
+                f"(fault_tolerance.heartbeat_s={self.heartbeat_s}), or a busy rank is killed; "
+                f"raise dead_after_s or lower heartbeat_s."
+            )
+        for key in ("min_members", "admit_every"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"fault_tolerance.{key}={getattr(self, key)} must be at least 1.")
+        if self.replacements < 0:
+            raise ConfigError(
+                f"fault_tolerance.replacements={self.replacements} must be >= 0 (0: the "
+                f"survivors go on without a replacement)."
+            )
 
 
 @dataclass
@@ -247,6 +288,7 @@ class Config:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     provenance: ProvenanceConfig = field(default_factory=ProvenanceConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
@@ -287,6 +329,7 @@ def register_configs() -> None:
         "syncbn": {"syncbn_schema": SyncBNConfig},
         "amp": {"amp_schema": AmpConfig},
         "parallel": {"parallel_schema": ParallelConfig},
+        "fault_tolerance": {"fault_tolerance_schema": FaultToleranceConfig},
         "optim": {"optim_schema": OptimConfig},
         "logger": {"logger_schema": LoggerConfig},
         "transforms": {"transforms_schema": TransformsConfig},

@@ -61,6 +61,11 @@ class RankLogger:
             )
             self._wandb_thread.start()
 
+    def regroup(self, info: DistInfo) -> None:
+        """fault_tolerance=live: this process's place in the regrouped ranks (its files and
+        its W&B run stay its own; rank 0's duties move to the new rank 0)."""
+        self.info = info
+
     @property
     def _joins_later(self) -> bool:
         """A shared-mode worker joins the primary's run only once it exists (in ``ready``)."""

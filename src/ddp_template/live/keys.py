@@ -1,0 +1,66 @@
+"""The names the launcher and the ranks share in the launcher's store (under ``live/``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ddp_template.tolerance import INCARNATION_VAR
+
+
+def connect(timeout: timedelta) -> dist.Store:
+    """A client of the launcher's store (MASTER_ADDR:MASTER_PORT), its live/ keys."""
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore("live", store)
+
+
+def incarnation() -> int:
+    return int(os.environ.get(INCARNATION_VAR, "0"))
+
+
+def member_id(slot: int, incarnation: int) -> str:
+    return f"{slot}.{incarnation}"
+
+
+def parse(member: str) -> tuple[int, int]:
+    slot, inc = member.split(".")
+    return int(slot), int(inc)
+
+
+def members(gen: int) -> str:
+    return f"members/{gen}"
+
+
+def arrival(gen: int, member: str) -> str:
+    return f"arrive/{gen}/{member}"
+
+
+def heartbeat(member: str) -> str:
+    return f"heartbeat/{member}"
+
+
+def ready(member: str) -> str:
+    return f"ready/{member}"
+
+
+LATEST = "latest"
+RESULT = "result"
+
+
+def latest(store: dist.Store) -> int:
+    return int(store.get(LATEST))
+
+
+def read_members(store: dist.Store, gen: int) -> list[str]:
+    return list(json.loads(store.get(members(gen)))["members"])
+
+
+def publish(store: dist.Store, gen: int, ids: list[str], reason: str) -> None:
+    """Membership ``gen`` (its record first, then ``latest``: a reader of one finds the other)."""
+    store.set(members(gen), json.dumps({"members": ids, "reason": reason}))
+    store.set(LATEST, str(gen))
