@@ -293,6 +293,7 @@ def fit(
             account(built, stats, state, start, logger)
             if stats.stopped:
                 preempt.stop(state.step, ckpt.last)  # checkpointed: a requeue continues
+            fault_injection.maybe_fire(cfg.fault, state.step, info.rank, "evaluation")
             metrics = built.evaluation.epoch(epoch, state.step, logger)
             state.epoch, state.position, state.prior = epoch + 1, 0, []
             copies = selection.copies(selection.observe(metrics, epoch))
@@ -368,6 +369,7 @@ def step_hook(
         tolerance.boundary(s.step)
         stop = preempt.requested(s.step)  # a signal on any rank stops all at one step
         if (stop and save_on_stop) or ckpt.due(s.step):
+            fault_injection.maybe_fire(cfg.fault, s.step, rank, "checkpoint")
             ckpt.save()
         return stop
 

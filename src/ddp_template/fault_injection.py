@@ -27,13 +27,20 @@ def _attempt() -> int:
     return int(live if live is not None else os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def maybe_fire(fault: FaultConfig, step: int, rank: int) -> None:
-    """Called after every optimizer step on every rank."""
-    if fault.crash_at_step is None or step != fault.crash_at_step or rank != fault.rank:
-        return
-    if fault.phase != "step" or _attempt() != fault.attempt:
-        return
-    _strike(fault, step, rank)
+def _due(fault: FaultConfig, step: int, rank: int) -> bool:
+    """Step ``step`` of ``rank`` is where the fault strikes (first or again), on its attempt."""
+    if fault.crash_at_step is None or rank != fault.rank:
+        return False
+    if step == fault.again_at_step:
+        return True
+    return step == fault.crash_at_step and _attempt() == fault.attempt
+
+
+def maybe_fire(fault: FaultConfig, step: int, rank: int, phase: str = "step") -> None:
+    """Called on every rank after every optimizer step (``phase`` step), as an evaluation
+    starts and as a checkpoint starts (at the step it follows)."""
+    if fault.phase == phase and _due(fault, step, rank):
+        _strike(fault, step, rank)
 
 
 def _strike(fault: FaultConfig, step: int, rank: int) -> None:
@@ -56,15 +63,13 @@ def arm(fault: FaultConfig, trainer: Any, state: Any) -> None:
     """``fault.phase=allreduce``: the fault strikes inside step ``crash_at_step``'s gradient
     all-reduce on ``fault.rank``, once its own all-reduce is under way (a DDP communication
     hook: the default all-reduce, then the fault)."""
-    if fault.phase != "allreduce" or fault.crash_at_step is None:
-        return
-    if trainer.info.rank != fault.rank or trainer.ddp is None or _attempt() != fault.attempt:
+    if fault.phase != "allreduce" or fault.crash_at_step is None or trainer.ddp is None:
         return
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     def hook(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
         future = allreduce_hook(process_group, bucket)
-        if state.step + 1 == fault.crash_at_step:
+        if _due(fault, state.step + 1, trainer.info.rank):
             _strike(fault, state.step + 1, trainer.info.rank)
         return future
 

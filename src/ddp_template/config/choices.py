@@ -144,11 +144,14 @@ class Tolerance(Choice):
 
 
 class FaultPhase(Choice):
-    """Where an injected fault strikes: after the optimizer step, or inside the step's
-    gradient all-reduce (the DDP communication hook of the step)."""
+    """Where an injected fault strikes: after the optimizer step, inside the step's gradient
+    all-reduce (the DDP communication hook of the step), as the epoch's evaluation starts (at
+    its last step), or as the step's checkpoint starts."""
 
     step = "step"
     allreduce = "allreduce"
+    evaluation = "evaluation"
+    checkpoint = "checkpoint"
 
 
 class GlobalBatch(Choice):

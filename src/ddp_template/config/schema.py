@@ -225,6 +225,7 @@ class FaultConfig:
     hold: bool = False  # instead: stop after the step until a signal comes (a busy rank)
     attempt: int = 0  # only on this elastic restart attempt (so the restart can finish)
     phase: FaultPhase = FaultPhase.step  # allreduce: inside the step's gradient all-reduce
+    again_at_step: int | None = None  # strike again there (whichever process is fault.rank)
 
 
 @dataclass

@@ -14,6 +14,7 @@ its list held up to the committed step), since its own tally died with it; the r
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -23,6 +24,7 @@ from ddp_template.checkpoint import Found
 from ddp_template.distributed import DistInfo, broadcast_object, gather_objects
 from ddp_template.ledger.records import SavedLedger
 from ddp_template.ledger.tally import IndexTally, join_ledgers
+from ddp_template.live import keys
 from ddp_template.tolerance import Segment
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,18 @@ def handover(held: Segment | None, info: DistInfo, target: int) -> Found:
         assert held is not None  # the regroup orders a survivor first
         payload, derived = _payload(held, claims)
         dropped = sum(c.dropped for c in claims)
+        state = held.state
+        keys.record(
+            os.environ[keys.RECORD_VAR],
+            event="regrouped",
+            step=target,
+            epoch=state.epoch,
+            position=state.position,
+            world_from=held.trainer.info.world_size,
+            world_to=info.world_size,
+            uncommitted_samples=dropped,
+            derived_ranks=derived,
+        )
         log.warning(
             "regrouped at step %d: %d ranks → %d; %s; %s",
             target,

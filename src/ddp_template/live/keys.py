@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -17,6 +20,17 @@ def connect(timeout: timedelta) -> dist.Store:
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
     return dist.PrefixStore("live", store)
+
+
+RECORD = "live.jsonl"  # in the run dir: every membership, loss, regroup and first commit
+RECORD_VAR = "DDP_TEMPLATE_LIVE_RECORD"  # its path, for the ranks
+
+
+def record(path: Path | str, **row: Any) -> None:
+    """One row of the run's live record (appends of one line: the launcher and rank 0 both
+    write, each row whole)."""
+    with open(path, "a") as f:
+        f.write(json.dumps({"time": time.time(), **row}) + "\n")
 
 
 def incarnation() -> int:
@@ -50,6 +64,7 @@ def ready(member: str) -> str:
 
 LATEST = "latest"
 RESULT = "result"
+CLOSED = "closed"  # a rank finished the run: a replacement not yet admitted has nothing to join
 
 
 def latest(store: dist.Store) -> int:

@@ -55,6 +55,7 @@ class Live:
         self.id = keys.member_id(self.slot, self.incarnation)
         self.store = keys.connect(timedelta(seconds=cfg.regroup_timeout_s))
         self.gen, self.target = -1, 0
+        self.regrouped = False  # the first step after a regroup: rank 0 records its commit
         self.info: DistInfo | None = None
         self._heartbeat = threading.Thread(target=self._beat, name="live-heartbeat", daemon=True)
         self._heartbeat.start()
@@ -88,9 +89,12 @@ class Live:
     def boundary(self, step: int) -> None:
         """Every ``admit_every`` steps: is a replacement waiting? Rank 0 asks the store, one
         all-reduce tells everyone, so all leave the loop at the same step."""
+        assert self.info is not None
+        if self.regrouped and self.info.is_main:
+            keys.record(os.environ[keys.RECORD_VAR], event="committed", gen=self.gen, step=step)
+        self.regrouped = False
         if step % self.cfg.admit_every:
             return
-        assert self.info is not None
         waiting = self.info.is_main and self.store.check([keys.members(self.gen + 1)])
         flag = torch.tensor([int(waiting)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -117,14 +121,14 @@ class Live:
         """Into the newest membership: post this rank's handle and step, wait for every member,
         reconfigure. Returns this rank's place in the new group."""
         deadline = time.monotonic() + self.cfg.regroup_timeout_s
-        self._await(self.gen + 1)
+        self._await(self.gen + 1, deadline)
         gen = keys.latest(self.store)
         while True:
             members = keys.read_members(self.store, gen)
             if self.id not in members:
                 if not joining:
                     raise Lost(f"rank {self.id} was counted lost in membership {gen}; it leaves")
-                self._await(gen + 1)
+                self._await(gen + 1, deadline)
                 gen = keys.latest(self.store)
                 continue
             arrival = {"handle": dist._get_reconfigure_handle(), "step": step, "joining": joining}
@@ -133,11 +137,7 @@ class Live:
             while not self.store.check(arrived):
                 if self.store.check([keys.members(gen + 1)]):
                     break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"membership {gen}: not every member arrived within "
-                        f"fault_tolerance.regroup_timeout_s={self.cfg.regroup_timeout_s}"
-                    )
+                self._check(deadline, gen)
                 time.sleep(0.005)
             else:
                 posts = {m: json.loads(self.store.get(keys.arrival(gen, m))) for m in members}
@@ -149,15 +149,29 @@ class Live:
                         timeout=timedelta(seconds=self.cfg.regroup_timeout_s),
                     ).wait()
                 except RuntimeError:  # a member died while the group formed: the next one
-                    self._await(gen + 1)
+                    self._await(gen + 1, deadline)
                     gen = keys.latest(self.store)
                     continue
                 self.gen, self.target = gen, posts[order[0]]["step"]
+                self.regrouped = gen > 0
                 return self._placed(order.index(self.id), len(order))
             gen = keys.latest(self.store)
 
-    def _await(self, gen: int) -> None:
-        self.store.wait([keys.members(gen)], timedelta(seconds=self.cfg.regroup_timeout_s))
+    def _await(self, gen: int, deadline: float) -> None:
+        """Until membership ``gen`` is published (a replacement: unless the run finished)."""
+        while not self.store.check([keys.members(gen)]):
+            self._check(deadline, gen)
+            time.sleep(0.005)
+
+    def _check(self, deadline: float, gen: int) -> None:
+        if self.incarnation and self.store.check([keys.CLOSED]):
+            log.warning("the run finished before this replacement was admitted; it leaves")
+            raise SystemExit(0)
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"membership {gen}: its members did not all arrive within "
+                f"fault_tolerance.regroup_timeout_s={self.cfg.regroup_timeout_s} s"
+            )
 
     def _placed(self, rank: int, world: int) -> DistInfo:
         assert self.info is not None

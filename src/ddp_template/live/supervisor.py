@@ -38,7 +38,6 @@ from ddp_template.process.preload import loaded_modules
 from ddp_template.run_identity import RunInfo
 from ddp_template.tolerance import INCARNATION_VAR, LIVE_VAR
 
-RECORD = "live.jsonl"
 POLL_S = 0.02
 
 
@@ -90,7 +89,7 @@ class Supervisor:
         self.waiting: list[Member] = []  # replacements not yet admitted
         self.done: list[Member] = []
         self.gen, self.started, self.replaced = 0, time.monotonic(), 0
-        self.record = run.run_dir / RECORD
+        self.record = run.run_dir / keys.RECORD
 
     def _env(self, slot: int, incarnation: int) -> dict[str, str]:
         return {
@@ -104,6 +103,7 @@ class Supervisor:
             LAUNCHER_VAR: "dist.nproc",
             LIVE_VAR: "1",
             INCARNATION_VAR: str(incarnation),
+            keys.RECORD_VAR: str(self.record),
         }
 
     def _start(self, slot: int, incarnation: int) -> Member:
@@ -118,9 +118,7 @@ class Supervisor:
         return member
 
     def _write(self, **row: Any) -> None:
-        row = {"time": time.time(), "since_start_s": time.monotonic() - self.started, **row}
-        with self.record.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        keys.record(self.record, since_start_s=time.monotonic() - self.started, **row)
 
     def _publish(self, reason: str) -> None:
         self.gen += 1
@@ -165,8 +163,10 @@ class Supervisor:
                     self._lose(member, f"silent for {now - member.beat_at:.1f} s, killed")
                 continue
             if code == 0:
+                self.live.set(keys.CLOSED, str(member.slot))
                 self.members.remove(member)
                 self.done.append(member)
+                self._write(event="finished", slot=member.slot, incarnation=member.incarnation)
                 continue
             if code > 0:  # the rank's own failure: the run ends (a restart resumes it)
                 self._write(event="failed", slot=member.slot, exit=code)

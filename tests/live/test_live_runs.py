@@ -1,0 +1,198 @@
+"""fault_tolerance=live for real: 3 gloo ranks under the template's launcher, ranks killed and
+stopped mid-run, the survivors going on in the same processes and replacements rejoining.
+
+- rank 2 SIGKILLed inside step 10's gradient all-reduce: ranks 0 and 1 keep their PIDs to the
+  end, the next step commits within 10 s of the kill, the slot's replacement rejoins; every
+  epoch's verdict ok, replay lists each training index of the interrupted epoch once, and the
+  final weights are those of one process fed the committed global batches replay lists;
+- rank 0 killed as a checkpoint starts, then the process that is rank 1 killed again in the same
+  epoch: both survived, verdict ok;
+- a rank SIGSTOPped: found by its silent heartbeat, killed, survived;
+- a rank killed as the epoch's evaluation starts: the evaluation runs again, exact.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compose_conf
+from helpers import jsonl, run, run_env, summary, train_cmd
+from test_elastic import replayed_epoch
+
+from ddp_template.checkpoint import load
+from ddp_template.config.boundary import typed
+from ddp_template.models import build_model
+from ddp_template.optim import build_optimizer, build_scheduler
+from ddp_template.replay import load_run, step_rows
+
+N_DIGITS = 1438
+LIVE = ["dist.nproc=3", "fault_tolerance=live", "fault.signal=SIGKILL"]
+# An MLP (no batch statistics, no dropout): one process fed the same global batches trains to
+# the same weights; 60 steps an epoch (batch 8 x 3 ranks), so the replacement (ready about
+# 0.2 s after its start here) is admitted long before the run's 120 steps end.
+MLP = [
+    "model=mlp",
+    "model.in_features=64",
+    "model.out_features=10",
+    "epochs=2",
+    "loader.batch_size=8",
+    "log_every=1",
+]
+
+
+def _live(run_dir: Path) -> list[dict]:
+    return jsonl(run_dir / "live.jsonl")
+
+
+def _events(rows: list[dict], event: str) -> list[dict]:
+    return [r for r in rows if r["event"] == event]
+
+
+def _verdicts(run_dir: Path) -> dict[int, int]:
+    """Each epoch's verdict (by its last step) and its total samples, from every process's
+    metrics (rank 0 moves when it dies)."""
+    found = {}
+    for path in run_dir.glob("rank*/metrics.jsonl"):
+        for row in jsonl(path):
+            if "shards/verdict_ok" in row:
+                found[row["step"]] = (row["shards/verdict_ok"], row["shards/total_samples"])
+    return found
+
+
+def _live_run(tmp: Path, name: str, *overrides: str) -> Path:
+    run(train_cmd(tmp, *LIVE, *overrides), env=run_env(RUN_ID=name), timeout=300)
+    return tmp / "outputs" / name
+
+
+@pytest.fixture(scope="module")
+def killed_in_allreduce(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("live")
+    return _live_run(
+        out, "allreduce", *MLP, "fault.rank=2", "fault.crash_at_step=10", "fault.phase=allreduce"
+    )
+
+
+def test_a_rank_killed_in_the_allreduce_is_survived_and_its_slot_rejoins(
+    killed_in_allreduce: Path,
+) -> None:
+    rows = _live(killed_in_allreduce)
+    members = _events(rows, "membership")
+    assert [m["members"] for m in members] == [
+        ["0.0", "1.0", "2.0"],
+        ["0.0", "1.0"],
+        ["0.0", "1.0", "2.1"],
+    ], members
+    for slot in ("0.0", "1.0"):  # the survivors never restarted
+        assert len({m["pids"][slot] for m in members}) == 1, members
+    finished = {(r["slot"], r["incarnation"]) for r in _events(rows, "finished")}
+    assert finished == {(0, 0), (1, 0), (2, 1)}, rows
+    lost = _events(rows, "lost")
+    assert [(r["slot"], r["why"]) for r in lost] == [(2, "killed by SIGKILL")], lost
+    regrouped = _events(rows, "regrouped")
+    assert [(r["world_from"], r["world_to"], r["derived_ranks"]) for r in regrouped] == [
+        (3, 2, [2]),
+        (2, 3, []),
+    ], regrouped
+    first = regrouped[0]  # step 10 broke in its all-reduce: it never committed anywhere
+    assert first["step"] == 9 and first["uncommitted_samples"] == 16, first
+    committed = _events(rows, "committed")[0]
+    assert committed["step"] == 10 and committed["time"] - lost[0]["time"] < 10.0, rows
+    # epoch 0's rest dealt to 2 ranks needs no pads: 1,438 samples; epoch 1 at 3 ranks: 2 pads
+    assert _verdicts(killed_in_allreduce) == {60: (1, 1438), 120: (1, 1440)}
+    seen = replayed_epoch(killed_in_allreduce)
+    assert set(seen) == set(range(N_DIGITS)), "replay misses training samples"
+    assert sum(seen.values()) - N_DIGITS == 2, seen.most_common(3)  # the mode's 2 pads only
+    assert summary(killed_in_allreduce)["eval_count"] == 359
+
+
+def test_the_weights_are_one_process_fed_the_committed_global_batches(
+    killed_in_allreduce: Path,
+) -> None:
+    """Replay's global batch of every step (each rank's micro-batches, at the world size of
+    its segment) trained by one process from the same initial weights, with the same optimizer
+    and LR schedule: the live run's final weights within 2e-5 (float32 sums in another order)."""
+    cfg = typed(compose_conf(*MLP, "logger=none"))
+    replayed = load_run(killed_in_allreduce)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, replayed.splits.info)
+    optimizer = build_optimizer(cfg.optim, model)
+    scheduler = build_scheduler(cfg.optim, optimizer, replayed.total_steps)
+    for step in range(1, replayed.total_steps + 1):
+        indices = [i for row in step_rows(replayed, step) for i in row["indices"]]
+        x = torch.stack([replayed.train[i][0] for i in indices])
+        y = torch.tensor([int(replayed.train[i][1]) for i in indices])
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+    live = load(killed_in_allreduce / "checkpoints" / "last.pt")["model"]
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(live[name], tensor, rtol=0, atol=2e-5, msg=name)
+
+
+def test_rank0_killed_and_a_second_kill_in_the_same_epoch(tmp_path: Path) -> None:
+    """Rank 0 SIGKILLed as step 5's checkpoint starts (the others in its gather); the process
+    that is rank 1 at step 20 (slot 2, once slot 0's replacement joined last) killed there:
+    two losses in epoch 0 (60 steps of 8 x 3), each survived, every verdict ok."""
+    run_dir = _live_run(
+        tmp_path,
+        "twice",
+        "epochs=1",
+        "loader.batch_size=8",
+        "checkpoint.every_steps=5",
+        "fault.rank=0",
+        "fault.crash_at_step=5",
+        "fault.phase=checkpoint",
+        "fault.again_at_step=20",
+    )
+    rows = _live(run_dir)
+    assert [r["slot"] for r in _events(rows, "lost")] == [0, 1], rows
+    regrouped = _events(rows, "regrouped")
+    assert all(r["epoch"] == 0 for r in regrouped), regrouped
+    assert [(r["world_from"], r["world_to"]) for r in regrouped][:2] == [(3, 2), (2, 3)]
+    assert (3, 2) in [(r["world_from"], r["world_to"]) for r in regrouped[2:]], regrouped
+    assert [ok for ok, _ in _verdicts(run_dir).values()] == [1]
+    seen = replayed_epoch(run_dir)
+    assert set(seen) == set(range(N_DIGITS)) and max(seen.values()) <= 2, seen.most_common(3)
+
+
+def test_a_stopped_rank_is_found_by_its_heartbeat(tmp_path: Path) -> None:
+    run_dir = _live_run(
+        tmp_path,
+        "stopped",
+        "epochs=1",
+        "fault.rank=1",
+        "fault.crash_at_step=4",
+        "fault.signal=SIGSTOP",
+        "fault_tolerance.dead_after_s=2",
+    )
+    rows = _live(run_dir)
+    lost = _events(rows, "lost")
+    assert [r["slot"] for r in lost] == [1] and lost[0]["why"].startswith("silent for"), rows
+    assert [ok for ok, _ in _verdicts(run_dir).values()] == [1]
+
+
+def test_a_rank_killed_as_the_evaluation_starts(tmp_path: Path) -> None:
+    """Killed at epoch 0's last step, as its evaluation starts: the survivors regroup at the
+    epoch's end and evaluate again at 2 ranks, the test split's 359 samples once."""
+    run_dir = _live_run(
+        tmp_path,
+        "evaluation",
+        "epochs=1",
+        "fault.rank=1",
+        "fault.crash_at_step=15",
+        "fault.phase=evaluation",
+        "fault_tolerance.replacements=0",
+    )
+    rows = _live(run_dir)
+    assert [(r["world_from"], r["world_to"]) for r in _events(rows, "regrouped")] == [(3, 2)]
+    assert [ok for ok, _ in _verdicts(run_dir).values()] == [1]
+    assert summary(run_dir)["eval_count"] == 359
+    assert Counter(json.dumps(r["members"]) for r in _events(rows, "membership")) == Counter(
+        [json.dumps(["0.0", "1.0", "2.0"]), json.dumps(["0.0", "2.0"])]
+    )
