@@ -211,8 +211,9 @@ def _check_tolerance(cfg: Config) -> None:
     )
     require(
         str(cfg.backend.name) != "nccl",
-        "fault_tolerance=live runs on gloo (torch can reconfigure only its gloo process group); "
-        "set backend=gloo or backend=auto (gloo on the CPU), or fault_tolerance=off.",
+        "fault_tolerance=live cannot run on backend=nccl (torch can reconfigure only its gloo "
+        "process group); set backend=gloo or backend=auto (gloo on the CPU), or "
+        "fault_tolerance=off.",
     )
     require(
         str(cfg.parallel.name) == "ddp",

@@ -112,7 +112,15 @@ class Live:
             except (RuntimeError, dist.DistStoreError):
                 return None  # no member was lost: the failure is the run's own
             log.warning("regrouping after: %s", str(exc).strip().splitlines()[0][:200])
+        self._leave()
         return self._regroup(step=step, joining=False)
+
+    def _leave(self) -> None:
+        """Close this rank's connections to the old group (a group of itself alone): a survivor
+        still waiting in a collective on this one fails at once, instead of at gloo's
+        timeout, and comes to the regroup too."""
+        solo = (self.gen + 1) * PROCESS_RANKS + self.incarnation * 1024 + self.slot + 1
+        dist._reconfigure(uuid=solo, handles=[dist._get_reconfigure_handle()]).wait()
 
     def handover(self, held: Segment, info: DistInfo) -> Found:
         return handover(held, info, self.target)
