@@ -171,4 +171,3 @@ def test_a_stopped_rank_is_found_by_its_heartbeat(tmp_path: Path) -> None:
     lost = _events(rows, "lost")
     assert [r["slot"] for r in lost] == [1] and lost[0]["why"].startswith("silent for"), rows
     assert [ok for ok, _ in _verdicts(run_dir).values()] == [1]
-
