@@ -338,10 +338,10 @@ def test_three_ranks_killed_mid_epoch_resume_bit_identically(digits101: Path, tm
 def test_without_the_empty_step_the_ranks_hang(digits101: Path, tmp_path: Path) -> None:
     """The mutation: ranks skip their empty micro-batch (tests/exact_skip_empty.py). Rank 0
     then waits in step 6's gradient all-reduce for rank 1, which has gone on to the epoch's
-    shard check: nothing finishes until gloo's timeout (15 s; the same run with the empty step
+    shard check: nothing finishes until gloo's timeout (6 s; the same run with the empty step
     trains its whole epoch in well under a second) ends it, naming the wait (on whichever rank
     times out first)."""
-    timeout_s = 15
+    timeout_s = 6
     cmd = train_cmd(
         tmp_path,
         "data=array",
