@@ -88,7 +88,7 @@ class Supervisor:
         self.members: list[Member] = []
         self.waiting: list[Member] = []  # replacements not yet admitted
         self.done: list[Member] = []
-        self.gen, self.started, self.replaced = 0, time.monotonic(), 0
+        self.gen, self.started, self.replaced = -1, time.monotonic(), 0
         self.record = run.run_dir / keys.RECORD
 
     def _env(self, slot: int, incarnation: int) -> dict[str, str]:
@@ -130,14 +130,7 @@ class Supervisor:
     def run_all(self) -> Any:
         self.run.run_dir.mkdir(parents=True, exist_ok=True)
         self.members = [self._start(slot, 0) for slot in range(self.nproc)]
-        keys.publish(self.live, 0, [m.id for m in self.members], "start")
-        self._write(
-            event="membership",
-            gen=0,
-            members=[m.id for m in self.members],
-            pids={m.id: m.process.pid for m in self.members},
-            reason="start",
-        )
+        self._publish("start")  # membership 0
         try:
             while self.members or self.waiting:
                 self._watch()
