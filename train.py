@@ -279,6 +279,7 @@ def fit(
     preempt = Preemption(info=info, every=every, run_id=logger.run.run_id)
     profiler = StepProfiler(cfg=cfg.profiler, run_dir=logger.run.run_dir, info=info)
     on_step = step_hook(cfg, built, ckpt, logger, preempt, profiler, tolerance)
+    broken = False
     try:
         for epoch in range(state.epoch, cfg.epochs):
             if selection.stops_before(epoch):
@@ -309,9 +310,12 @@ def fit(
                 )
             if epoch + 1 < cfg.epochs and preempt.sync():  # a signal late in the epoch
                 preempt.stop(state.step, ckpt.last)
+    except Exception:
+        broken = True  # a failed collective: the agreement in flight is not waited for
+        raise
     finally:
         profiler.close()
-        preempt.close()
+        preempt.close(broken=broken)
     return built.evaluation.at_end(state.epoch, state.step, logger)
 
 

@@ -8,7 +8,7 @@ does (the launcher, every rank on this node and their loader workers), or with
 ``fault.hold=true`` makes the rank stop after step K until a signal comes instead, as a rank
 still busy when torchrun's membership changes (its agent's SIGTERM then stops the run there,
 checkpointed, like any preemption). ``fault.attempt`` limits it to one elastic restart attempt,
-so the restarted group can finish.
+so the restarted group can finish (under ``fault_tolerance=live``: to one membership).
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import signal
 from typing import Any
 
 from ddp_template.config.schema import FaultConfig
-from ddp_template.tolerance import INCARNATION_VAR
+from ddp_template.tolerance import MEMBERSHIP_VAR
 
 
 def _attempt() -> int:
-    """The elastic restart attempt, or the live slot's replacement count."""
-    live = os.environ.get(INCARNATION_VAR)
+    """The elastic restart attempt, or under ``fault_tolerance=live`` the membership (each
+    regroup is the live counterpart of a restart: a fault strikes in one membership only)."""
+    live = os.environ.get(MEMBERSHIP_VAR)
     return int(live if live is not None else os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 

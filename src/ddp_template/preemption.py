@@ -122,7 +122,12 @@ class Preemption:
             )
         raise SystemExit(EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED)
 
-    def close(self) -> None:
+    def close(self, *, broken: bool = False) -> None:
+        """Restore the signal handlers; after a clean loop read the agreement still in flight.
+        After a failed collective (``broken``) it is dropped unread: its peers may be gone or in
+        another collective, and a wait on it could last the whole gloo timeout."""
+        if broken:
+            self._pending = None
         self._read()  # no collective left in flight
         for sig, old in self._installed.items():
             signal.signal(sig, old)

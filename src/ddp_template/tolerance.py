@@ -110,6 +110,7 @@ LIVE_VAR = "DDP_TEMPLATE_LIVE"  # set by the live launcher for its ranks
 INCARNATION_VAR = (
     "DDP_TEMPLATE_INCARNATION"  # a live slot's process: 0 first, k the k-th replacement
 )
+MEMBERSHIP_VAR = "DDP_TEMPLATE_MEMBERSHIP"  # the live membership a process trains in (0 first)
 
 
 def live_launch() -> bool:

@@ -223,7 +223,7 @@ class FaultConfig:
     signal: str | None = None  # e.g. SIGTERM: send it instead of raising
     scope: FaultScope = FaultScope.rank  # who gets the signal: rank | process_group | node
     hold: bool = False  # instead: stop after the step until a signal comes (a busy rank)
-    attempt: int = 0  # only on this elastic restart attempt (so the restart can finish)
+    attempt: int = 0  # only on this restart attempt (live: this membership), so the run can finish
     phase: FaultPhase = FaultPhase.step  # allreduce: inside the step's gradient all-reduce
     again_at_step: int | None = None  # strike again there (whichever process is fault.rank)
 

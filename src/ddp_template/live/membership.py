@@ -13,6 +13,7 @@ superseded by the next one the launcher publishes.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from ddp_template.config.schema import BackendConfig, FaultToleranceConfig
 from ddp_template.distributed import DistInfo
 from ddp_template.live import keys
 from ddp_template.live.handover import handover
-from ddp_template.tolerance import Segment, Start
+from ddp_template.tolerance import MEMBERSHIP_VAR, Segment, Start
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class Live:
             except (RuntimeError, dist.DistStoreError):
                 return None  # no member was lost: the failure is the run's own
             log.warning("regrouping after: %s", str(exc).strip().splitlines()[0][:200])
+        _release(exc)
         self._leave()
         return self._regroup(step=step, joining=False)
 
@@ -161,6 +163,7 @@ class Live:
                     gen = keys.latest(self.store)
                     continue
                 self.gen, self.target = gen, posts[order[0]]["step"]
+                os.environ[MEMBERSHIP_VAR] = str(gen)  # fault injection's attempt
                 self.regrouped = gen > 0
                 return self._placed(order.index(self.id), len(order))
             gen = keys.latest(self.store)
@@ -192,6 +195,16 @@ class Live:
             backend="gloo",
         )
         return self.info
+
+
+def _release(exc: BaseException | None) -> None:
+    """Drop the failure's frames: a collective's work they hold keeps the old group's
+    connections open (gloo closes them with the last reference), and a survivor waiting on
+    this rank would wait for gloo's timeout instead of failing now."""
+    while exc is not None:
+        exc.__traceback__ = None
+        exc = exc.__context__
+    gc.collect()
 
 
 def _place(member: str, post: dict[str, Any]) -> tuple[int, int, int]:
