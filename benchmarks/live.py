@@ -1,16 +1,16 @@
 """fault_tolerance=live: what a lost rank costs, and what the live machinery costs when nothing
 fails.
 
-    python benchmarks/live.py [--rounds 3] [--out benchmarks/live_results.md]
+    python benchmarks/live.py [--rounds 3] [--epochs 3] [--out benchmarks/live_results.md]
 
 * **recovery** (``--rounds`` runs of the default job at ``dist.nproc=3``, rank 2 SIGKILLed
   inside step 10's gradient all-reduce): from ``live.jsonl``, the time from the launcher seeing
   the death to the next committed step, and from the replacement's start to its admission and
   to the first step it committed with the others.
-* **per-step cost** (the default job at ``dist.nproc=2``, 2 epochs): ``--rounds`` rounds of
-  ``fault_tolerance=off``, ``live`` and ``off`` again (the A/A floor), the order rotating each
-  round; each run's ``perf/step_s`` (compute time per optimizer step, every rank's every epoch,
-  averaged) and the ratio to the round's first ``off`` run.
+* **per-step cost** (the default job at ``dist.nproc=2``, ``--epochs`` epochs): ``--rounds``
+  rounds of ``fault_tolerance=off``, ``live`` and ``off`` again (the A/A floor), the order
+  rotating each round; each run's ``perf/step_s`` (compute time per optimizer step, every
+  rank's every epoch, averaged) and the ratio to the round's first ``off`` run.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def step_s(run_dir: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "live_results.md")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,7 +89,7 @@ def main() -> None:
                     out,
                     f"cost{r}{mode}{len(times)}",
                     "dist.nproc=2",
-                    "epochs=2",
+                    f"epochs={args.epochs}",
                     f"fault_tolerance={mode}",
                 )
                 times[k] = step_s(run_dir)
@@ -97,7 +98,8 @@ def main() -> None:
     lines = [
         "# fault_tolerance=live: recovery and per-step cost",
         "",
-        f"`python benchmarks/live.py --rounds {args.rounds}` on this machine (2 cores, CPU, gloo).",
+        f"`python benchmarks/live.py --rounds {args.rounds} --epochs {args.epochs}` on this "
+        "machine (2 cores, CPU, gloo).",
         "",
         "## Recovery (3 ranks, rank 2 SIGKILLed inside step 10's all-reduce)",
         "",
@@ -110,7 +112,7 @@ def main() -> None:
         lines.append(f"| {key} | {cells} | {statistics.median(values):.3f} |")
     lines += [
         "",
-        "## Per-step cost when nothing fails (2 ranks, default job, 2 epochs)",
+        f"## Per-step cost when nothing fails (2 ranks, default job, {args.epochs} epochs)",
         "",
         "Ratio of each run's mean `perf/step_s` to its round's first `off` run; `off (A/A)` is the",
         "noise floor.",
@@ -121,6 +123,12 @@ def main() -> None:
     for k in order:
         cells = " | ".join(f"{v:.3f}" for v in ratios[k])
         lines.append(f"| {k} | {cells} | {statistics.median(ratios[k]):.3f} |")
+    floor = ratios["off (A/A)"]
+    lines += [
+        "",
+        f"Noise floor (off vs off): {min(floor):.3f} to {max(floor):.3f}; live's median ratio "
+        f"{statistics.median(ratios['live']):.3f}, off (A/A)'s {statistics.median(floor):.3f}.",
+    ]
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -5,6 +5,9 @@ killed mid-run, the survivors going on in the same processes and replacements re
   end, the next step commits within 10 s of the kill, the slot's replacement rejoins; every
   epoch's verdict ok, replay lists each training index of the interrupted epoch once, and the
   final weights are those of one process fed the committed global batches replay lists.
+- rank 0 killed as a checkpoint starts, twice in one epoch; a rank killed between steps; rank
+  0 killed as the evaluation starts; a stopped rank (SIGSTOP) found by its silent heartbeat:
+  each survived, the epoch's verdict ok.
 """
 
 from __future__ import annotations
@@ -127,3 +130,79 @@ def test_the_weights_are_one_process_fed_the_committed_global_batches(
     live = load(killed_in_allreduce / "checkpoints" / "last.pt")["model"]
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(live[name], tensor, rtol=0, atol=2e-5, msg=name)
+
+
+def test_rank0_killed_as_checkpoints_start_twice_in_one_epoch(tmp_path: Path) -> None:
+    """Rank 0 SIGKILLed as step 5's checkpoint starts (the others in its gather), then the
+    process that is rank 0 at step 25 killed there too: two losses in epoch 0 (60 steps of
+    8 x 3), each survived whether slot 0's replacement joined between them or not."""
+    run_dir = _live_run(
+        tmp_path,
+        "twice",
+        "epochs=1",
+        "loader.batch_size=8",
+        "checkpoint.every_steps=5",
+        "fault.rank=0",
+        "fault.crash_at_step=5",
+        "fault.phase=checkpoint",
+        "fault.again_at_step=25",  # not a multiple of admit_every: no admission regroup there
+    )
+    rows = _live(run_dir)
+    assert [r["slot"] for r in _events(rows, "lost")] == [0, 1], rows
+    regrouped = _events(rows, "regrouped")
+    assert all(r["epoch"] == 0 for r in regrouped), regrouped
+    losses = [r for r in regrouped if r["derived_ranks"]]
+    assert [(r["step"], r["derived_ranks"]) for r in losses] == [(5, [0]), (25, [0])], regrouped
+    assert [ok for ok, _ in _verdicts(run_dir).values()] == [1]
+    seen = replayed_epoch(run_dir)
+    assert set(seen) == set(range(N_DIGITS)) and max(seen.values()) <= 2, seen.most_common(3)
+    assert summary(run_dir)["eval_count"] == 359
+
+
+@pytest.mark.parametrize(
+    ("phase", "rank", "step"),
+    [("step", 1, 7), ("evaluation", 0, 60)],
+    ids=["between-steps", "rank0-at-evaluation"],
+)
+def test_a_rank_killed_between_steps_or_as_the_evaluation_starts(
+    tmp_path: Path, phase: str, rank: int, step: int
+) -> None:
+    """Killed after step 7's update (the others already in step 8's all-reduce), or rank 0
+    killed as epoch 0's evaluation starts (the other survivor waiting on it in the evaluation's
+    first collective, not on the dead rank): survived, the verdict ok, the evaluation exact."""
+    run_dir = _live_run(
+        tmp_path,
+        phase,
+        "epochs=1",
+        "loader.batch_size=8",
+        f"fault.rank={rank}",
+        f"fault.crash_at_step={step}",
+        f"fault.phase={phase}",
+    )
+    rows = _live(run_dir)
+    assert [r["slot"] for r in _events(rows, "lost")] == [rank], rows
+    members = _events(rows, "membership")
+    survivors = [m for m in members[0]["members"] if m != f"{rank}.0"]
+    assert len({tuple(m["pids"][s] for s in survivors) for m in members}) == 1, members
+    lost = _events(rows, "regrouped")[0]
+    assert (lost["step"], lost["derived_ranks"]) == (step, [rank]), lost
+    assert [ok for ok, _ in _verdicts(run_dir).values()] == [1]
+    assert summary(run_dir)["eval_count"] == 359
+
+
+def test_a_stopped_rank_is_found_by_its_heartbeat(tmp_path: Path) -> None:
+    """SIGSTOP after step 4: no connection closes; the launcher finds the rank silent for
+    dead_after_s, kills it, and the others (in step 5's all-reduce) regroup."""
+    run_dir = _live_run(
+        tmp_path,
+        "stopped",
+        "epochs=1",
+        "fault.rank=1",
+        "fault.crash_at_step=4",
+        "fault.signal=SIGSTOP",
+        "fault_tolerance.dead_after_s=2",
+    )
+    rows = _live(run_dir)
+    lost = _events(rows, "lost")
+    assert [r["slot"] for r in lost] == [1] and lost[0]["why"].startswith("silent for"), rows
+    assert [ok for ok, _ in _verdicts(run_dir).values()] == [1]

@@ -37,6 +37,7 @@ from ddp_template.tolerance import MEMBERSHIP_VAR, Segment, Start
 log = logging.getLogger(__name__)
 
 PROCESS_RANKS = 1 << 20  # the group's nominal size at init: every process's rank is its own
+LOOK_S = 0.05  # how often the heartbeat thread looks for the next membership
 
 
 class Regroup(Exception):  # noqa: N818  (not an error: the members regroup at a boundary)
@@ -56,18 +57,27 @@ class Live:
         self.id = keys.member_id(self.slot, self.incarnation)
         self.store = keys.connect(timedelta(seconds=cfg.regroup_timeout_s))
         self.gen, self.target = -1, 0
+        self.seen = -1  # the newest membership the heartbeat thread saw published
         self.regrouped = False  # the first step after a regroup: rank 0 records its commit
+        self._agreeing: Any = None  # the admission check in flight (an async all-reduce)
+        self._flag = torch.zeros(1, dtype=torch.int32)
         self.info: DistInfo | None = None
         self._heartbeat = threading.Thread(target=self._beat, name="live-heartbeat", daemon=True)
         self._heartbeat.start()
 
     def _beat(self) -> None:
-        """Own store client: the main thread's may be blocked in a long wait on the store."""
-        store, n = keys.connect(timedelta(seconds=self.cfg.regroup_timeout_s)), 0
+        """Own store client: the main thread's may be blocked in a long wait on the store.
+        With each beat it looks for the next membership, so the step boundary never waits on
+        the store."""
+        store, n, beat_at = keys.connect(timedelta(seconds=self.cfg.regroup_timeout_s)), 0, 0.0
         while True:
-            n += 1
-            store.set(keys.heartbeat(self.id), str(n))
-            time.sleep(self.cfg.heartbeat_s)
+            if time.monotonic() - beat_at >= self.cfg.heartbeat_s:
+                n, beat_at = n + 1, time.monotonic()
+                store.set(keys.heartbeat(self.id), str(n))
+            nxt = self.gen + 1
+            if self.seen < nxt and store.check([keys.members(nxt)]):
+                self.seen = nxt
+            time.sleep(LOOK_S)
 
     def setup(self) -> Start:
         base = distributed.setup_local(self.backend)  # device, threads, launcher: no group yet
@@ -88,19 +98,23 @@ class Live:
         return Start(info, handover(None, info, self.target))
 
     def boundary(self, step: int) -> None:
-        """Every ``admit_every`` steps: is a replacement waiting? Rank 0 asks the store, one
-        all-reduce tells everyone, so all leave the loop at the same step."""
+        """Every ``admit_every`` steps: is a replacement waiting? Each rank's heartbeat thread
+        has looked; an all-reduce started here and read ``admit_every`` steps later (no step
+        waits on it) tells every rank the same answer at the same step, so all leave the loop
+        there."""
         assert self.info is not None
         if self.regrouped and self.info.is_main:
             keys.record(os.environ[keys.RECORD_VAR], event="committed", gen=self.gen, step=step)
         self.regrouped = False
         if step % self.cfg.admit_every:
             return
-        waiting = self.info.is_main and self.store.check([keys.members(self.gen + 1)])
-        flag = torch.tensor([int(waiting)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
-            raise Regroup(f"a new membership waits at step {step}")
+        if self._agreeing is not None:
+            self._agreeing.wait()
+            self._agreeing = None
+            if self._flag.item():
+                raise Regroup(f"a new membership waits at step {step}")
+        self._flag.fill_(int(self.seen > self.gen))
+        self._agreeing = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
 
     def recover(self, exc: BaseException, step: int) -> DistInfo | None:
         """After a failed collective whose cause the launcher confirms (a new membership
@@ -113,6 +127,7 @@ class Live:
             except (RuntimeError, dist.DistStoreError):
                 return None  # no member was lost: the failure is the run's own
             log.warning("regrouping after: %s", str(exc).strip().splitlines()[0][:200])
+        self._agreeing = None  # in the old group: never read
         _release(exc)
         self._leave()
         return self._regroup(step=step, joining=False)

@@ -89,6 +89,7 @@ class Supervisor:
         self.waiting: list[Member] = []  # replacements not yet admitted
         self.done: list[Member] = []
         self.gen, self.started, self.replaced = -1, time.monotonic(), 0
+        self.beats_read = self.started
         self.record = run.run_dir / keys.RECORD
 
     def _env(self, slot: int, incarnation: int) -> dict[str, str]:
@@ -144,9 +145,14 @@ class Supervisor:
 
     def _watch(self) -> None:
         now = time.monotonic()
+        read_beats = now - self.beats_read >= self.ft.heartbeat_s  # as often as they are sent
+        if read_beats:
+            self.beats_read = now
         for member in list(self.members):
             code = member.process.exitcode
             if code is None:
+                if not read_beats:
+                    continue
                 beat = self._beat(member)
                 if beat != member.beat:
                     member.beat, member.beat_at = beat, now
