@@ -134,6 +134,7 @@ class Ledger:
                 samples=ledger["samples"],
                 fingerprint=ledger.get("fingerprint", 0),
                 workers=ledger.get("workers", []),
+                derived=ledger.get("derived", False),
             )
             for ledger in saved
         ]

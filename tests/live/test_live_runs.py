@@ -25,6 +25,7 @@ from ddp_template.config.boundary import typed
 from ddp_template.models import build_model
 from ddp_template.optim import build_optimizer, build_scheduler
 from ddp_template.replay import load_run, step_rows
+from ddp_template.sinks.console import DERIVED
 
 N_DIGITS = 1438
 LIVE = ["dist.nproc=3", "fault_tolerance=live", "fault.signal=SIGKILL"]
@@ -61,8 +62,14 @@ def _verdicts(run_dir: Path) -> dict[int, int]:
 
 
 def _live_run(tmp: Path, name: str, *overrides: str) -> Path:
-    run(train_cmd(tmp, *LIVE, *overrides), env=run_env(RUN_ID=name), timeout=300)
+    """The run's directory; what the launch printed is kept beside it (``_said``)."""
+    proc = run(train_cmd(tmp, *LIVE, *overrides), env=run_env(RUN_ID=name), timeout=300)
+    (tmp / f"{name}.out").write_text(proc.stdout + proc.stderr)
     return tmp / "outputs" / name
+
+
+def _said(run_dir: Path) -> str:
+    return (run_dir.parent.parent / f"{run_dir.name}.out").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +111,9 @@ def test_a_rank_killed_in_the_allreduce_is_survived_and_its_slot_rejoins(
     assert set(seen) == set(range(N_DIGITS)), "replay misses training samples"
     assert sum(seen.values()) - N_DIGITS == 2, seen.most_common(3)  # the mode's 2 pads only
     assert summary(killed_in_allreduce)["eval_count"] == 359
+    said = [line for line in _said(killed_in_allreduce).splitlines() if "of 3:" in line]
+    derived = [line for line in said if line.endswith(DERIVED)]  # the lost rank's, once
+    assert len(said) == 3 and len(derived) == 1 and "rank 2 of 3" in derived[0], said
 
 
 def test_the_weights_are_one_process_fed_the_committed_global_batches(
@@ -153,6 +163,8 @@ def test_rank0_killed_as_checkpoints_start_twice_in_one_epoch(tmp_path: Path) ->
     assert all(r["epoch"] == 0 for r in regrouped), regrouped
     losses = [r for r in regrouped if r["derived_ranks"]]
     assert [(r["step"], r["derived_ranks"]) for r in losses] == [(5, [0]), (25, [0])], regrouped
+    derived = [line for line in _said(run_dir).splitlines() if line.endswith(DERIVED)]
+    assert len(derived) == 2 and all("rank 0 of" in line for line in derived), derived
     assert [ok for ok, _ in _verdicts(run_dir).values()] == [1]
     seen = replayed_epoch(run_dir)
     assert set(seen) == set(range(N_DIGITS)) and max(seen.values()) <= 2, seen.most_common(3)

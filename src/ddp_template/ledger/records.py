@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 if TYPE_CHECKING:
     import numpy as np
@@ -44,6 +44,7 @@ class Tallied(TypedDict):
     samples: int
     fingerprint: int
     workers: list[WorkerTally]
+    derived: NotRequired[bool]  # fault_tolerance=live: a lost rank's, derived from the deal
 
 
 class _Place(TypedDict):
@@ -58,6 +59,7 @@ class SavedLedger(_Place, total=False):
 
     fingerprint: int
     workers: list[WorkerTally]
+    derived: bool  # fault_tolerance=live: a lost rank's, derived from the deal (its tally died)
 
 
 class _Prefix(TypedDict):
@@ -95,6 +97,7 @@ class PriorCheck(TypedDict):
     samples: int
     fingerprint: int
     expected: int
+    derived: bool  # a lost rank's ledger, derived from the deal (fault_tolerance=live)
 
 
 class _Counts(TypedDict):
@@ -201,6 +204,7 @@ class PriorLine:
     samples: int
     fingerprint: str
     matches: bool
+    derived: bool = False  # a lost rank's ledger, derived from the deal (fault_tolerance=live)
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,7 @@ def prior_checks(sampler: Any, prior: list[PriorSegment], *, rank: int) -> list[
             samples=samples,
             fingerprint=int(ledger["fingerprint"]),
             expected=expected_fingerprint(old, q, 0, count),
+            derived=bool(ledger.get("derived", False)),
         )
         checks.append(check)
     return checks
@@ -213,6 +214,7 @@ def epoch_report(
                 samples=p["samples"],
                 fingerprint=fingerprint_hex(p["fingerprint"]),
                 matches=p["fingerprint"] == p["expected"],
+                derived=p["derived"],
             )
             for p in prior
         ]

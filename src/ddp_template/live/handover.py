@@ -123,5 +123,6 @@ def derived_ledger(held: Segment, rank: int) -> SavedLedger:
             if n:
                 tally.add(sampler.index_at(np.arange(lo, lo + n, dtype=np.int64), rank=rank))
     if not state.position:
-        return SavedLedger(epoch=state.epoch, position=0, samples=0)
-    return SavedLedger(epoch=state.epoch, position=state.position, **join_ledgers(None, tally))
+        return SavedLedger(epoch=state.epoch, position=0, samples=0, derived=True)
+    joined = join_ledgers(None, tally)
+    return SavedLedger(epoch=state.epoch, position=state.position, **joined, derived=True)

@@ -52,6 +52,9 @@ def say_refusal(exc: Exception, rank: int) -> None:
             handler.handle(record)
 
 
+DERIVED = " (derived from the deal: the rank was lost)"
+
+
 def report_lines(report: EpochReport, epoch: int) -> list[str]:
     lines = [
         f"epoch {epoch} shards ({report.mode}, N={report.dataset_size}): verdict {report.verdict}"
@@ -69,7 +72,8 @@ def report_lines(report: EpochReport, epoch: int) -> list[str]:
     ]
     lines += [
         f"  before the resize, rank {p.rank} of {p.world_size}: {p.samples} samples, "
-        f"fingerprint {p.fingerprint}{'' if p.matches else '  <-- MISMATCH'}"
+        f"fingerprint {p.fingerprint}{DERIVED if p.derived else ''}"
+        f"{'' if p.matches else '  <-- MISMATCH'}"
         for p in report.prior
     ]
     for tail, names in (("pads", report.pads), ("drops", report.drops), ("unread", report.unread)):
