@@ -218,3 +218,28 @@ def test_a_stopped_rank_is_found_by_its_heartbeat(tmp_path: Path) -> None:
     lost = _events(rows, "lost")
     assert [r["slot"] for r in lost] == [1] and lost[0]["why"].startswith("silent for"), rows
     assert [ok for ok, _ in _verdicts(run_dir).values()] == [1]
+
+
+def test_below_min_members_the_run_ends_in_one_sentence_and_resumes(tmp_path: Path) -> None:
+    """2 ranks, ``min_members=2``: a loss leaves too few, so the launcher ends the run in one
+    sentence; the same command (the fault taken out) resumes from the last checkpoint."""
+    same = ["fault_tolerance=live", "fault_tolerance.min_members=2", "dist.nproc=2", "epochs=1"]
+    fault = ["fault.rank=1", "fault.crash_at_step=6", "fault.signal=SIGKILL"]
+    failed = run(
+        train_cmd(tmp_path, *same, "checkpoint.every_steps=4", *fault),
+        env=run_env(RUN_ID="floor"),
+        timeout=300,
+        check=False,
+    )
+    assert failed.returncode == 1, failed.stderr[-2000:]
+    said = [line for line in failed.stderr.splitlines() if "min_members" in line]
+    assert len(said) == 1 and "fewer than fault_tolerance.min_members=2" in said[0], said
+    assert "resumes from its last checkpoint" in said[0], said
+    resumed = run(
+        train_cmd(tmp_path, *same, "checkpoint.every_steps=4"),
+        env=run_env(RUN_ID="floor"),
+        timeout=300,
+    )
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    run_dir = tmp_path / "outputs" / "floor"
+    assert [ok for ok, _ in _verdicts(run_dir).values()] == [1]
