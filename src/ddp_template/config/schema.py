@@ -240,7 +240,7 @@ class FaultToleranceConfig:
     dead_after_s: float = 5.0  # a rank silent this long is killed and counted lost (SIGSTOP)
     min_members: int = 1  # fewer ranks alive: the run ends (resume from its last checkpoint)
     replacements: int = 3  # processes the launcher starts in dead ranks' slots, in all
-    admit_every: int = 4  # steps between the checks for a waiting replacement (a collective)
+    admit_every: int = 4  # steps between the checks for a waiting replacement (an async collective)
     regroup_timeout_s: float = 120.0  # the longest a regroup waits for its members
 
     def check(self) -> None:
