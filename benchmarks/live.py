@@ -70,6 +70,19 @@ def step_s(run_dir: Path) -> float:
     return statistics.mean(found)
 
 
+def table(first: str, column: str, rows: dict[str, list[float]]) -> list[str]:
+    """A markdown table: a row per key, a column per run (or round), and their median."""
+    n = len(next(iter(rows.values())))
+    lines = [
+        f"| {first} | " + " | ".join(f"{column} {i + 1}" for i in range(n)) + " | median |",
+        "|---|" + "---|" * (n + 1),
+    ]
+    for key, values in rows.items():
+        cells = " | ".join(f"{v:.3f}" for v in values)
+        lines.append(f"| {key} | {cells} | {statistics.median(values):.3f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -103,26 +116,15 @@ def main() -> None:
         "",
         "## Recovery (3 ranks, rank 2 SIGKILLed inside step 10's all-reduce)",
         "",
-        "| measure | " + " | ".join(f"run {i + 1}" for i in range(args.rounds)) + " | median |",
-        "|---|" + "---|" * (args.rounds + 1),
-    ]
-    for key in faults[0]:
-        values = [f[key] for f in faults]
-        cells = " | ".join(f"{v:.3f}" for v in values)
-        lines.append(f"| {key} | {cells} | {statistics.median(values):.3f} |")
-    lines += [
+        *table("measure", "run", {key: [f[key] for f in faults] for key in faults[0]}),
         "",
         f"## Per-step cost when nothing fails (2 ranks, default job, {args.epochs} epochs)",
         "",
         "Ratio of each run's mean `perf/step_s` to its round's first `off` run; `off (A/A)` is the",
         "noise floor.",
         "",
-        "| mode | " + " | ".join(f"round {i + 1}" for i in range(args.rounds)) + " | median |",
-        "|---|" + "---|" * (args.rounds + 1),
+        *table("mode", "round", ratios),
     ]
-    for k in order:
-        cells = " | ".join(f"{v:.3f}" for v in ratios[k])
-        lines.append(f"| {k} | {cells} | {statistics.median(ratios[k]):.3f} |")
     floor = ratios["off (A/A)"]
     lines += [
         "",
