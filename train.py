@@ -25,7 +25,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_template import distributed, fault_injection, launch, numerics, run_identity
+from ddp_template import checks, distributed, fault_injection, launch, numerics, run_identity
 from ddp_template.amp import build_scaler, scaler_part
 from ddp_template.checkpoint import Checkpointer, Found, resume_rank0
 from ddp_template.checkpoint_parts import Ledger, Progress, SamplerPosition
@@ -33,9 +33,7 @@ from ddp_template.config import boundary
 from ddp_template.config.schema import Config, register_configs
 from ddp_template.data.contract import Splits, first_input
 from ddp_template.data.identity import DataIdentity, identify
-from ddp_template.data.kind import DataKind, kind_of
 from ddp_template.data.loader import build_eval_loader
-from ddp_template.data.splits import build_splits
 from ddp_template.data.transforms import apply_transforms
 from ddp_template.data.workers import reseed_for_epoch
 from ddp_template.elastic import Resize, plan_resize, record_segment
@@ -57,6 +55,7 @@ from ddp_template.errors import (
 )
 from ddp_template.evaluation import Evaluation, build_evaluation
 from ddp_template.finetune import init_weights
+from ddp_template.kind import DataKind, kind_of
 from ddp_template.ledger.verify import epoch_metrics, resumed_prefix
 from ddp_template.models import (
     build_model,
@@ -77,6 +76,7 @@ from ddp_template.sinks.console import say_refusal, setup_console
 from ddp_template.sinks.metrics import RankLogger, log
 from ddp_template.sinks.share_plot import draw_shares_async
 from ddp_template.spike import build_spikes
+from ddp_template.splits import build_splits
 from ddp_template.switches import build_switches
 from ddp_template.task import EvalResult, build_task, objective, register_sweep_direction
 from ddp_template.tolerance import Segment, Tolerance, build_tolerance
@@ -430,7 +430,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
             with unanimous():  # every rank decides alike from the one checkpoint
                 resize = plan_resize(cfg.elastic, found=found, run=cfg, info=info, regroup=regroup)
             now = resize.adjust(cfg) if resize else cfg  # its batch and accumulation from here on
-            boundary.check_join(now)  # uneven=join vs the accumulation a resize chose
+            checks.check_join(now)  # uneven=join vs the accumulation a resize chose
             config = boundary.plain(now) | ({"resize": resize.record()} if resize else {})
             if logger is None:
                 logger = RankLogger(cfg=now.logger, run=run, info=info, config=config)  # W&B
@@ -486,7 +486,7 @@ def main(raw: DictConfig) -> float:
     try:
         with unanimous():  # under torchrun every process of a node checks the same config
             cfg = boundary.typed(raw)  # the schema dataclasses, unknown keys refused
-            boundary.check(cfg)  # every startup check, before any process or builder
+            checks.check(cfg)  # every startup check, before any process or builder
         return launch.launch(train, cfg, run_identity.current_run())
     except ConfigError as exc:  # a node's refusal: its first process says it
         say_refusal(exc, distributed.env_local_rank())

@@ -53,7 +53,7 @@ def ranks(args: argparse.Namespace) -> None:
     from ddp_template import distributed
     from ddp_template.config import boundary
     from ddp_template.engine import PlannedFeed, TrainState
-    from ddp_template.streams.stop import Agreement
+    from ddp_template.optional.streams.stop import Agreement
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         raw = compose("config", overrides=["backend=gloo", "logger=none"])

@@ -4,7 +4,8 @@
                             [--loggers none,wandb] [--bucket25] [--out report.md]
                             [-- extra train.py overrides]
 
-Writes the generated corpus once (``ddp_template.tokens.corpus.corpus``: ``--size`` bytes, the
+Writes the generated corpus once (``ddp_template.optional.tokens.corpus.corpus``: ``--size``
+bytes, the
 token files ``train.bin``/``val.bin``/``meta.json``) where the template's ``data=corpus`` looks
 for it (``paths.data_root=<work>/data``), then runs, in one invocation and alternating (the order
 rotates every repeat, so slow drifts in machine load hit every variant alike), under
@@ -88,7 +89,7 @@ def variants(args: argparse.Namespace) -> list[str]:
 
 def write_corpus(work: Path, size: int) -> Path:
     """The token files, written once where ``data=corpus`` with ``data.size=size`` reads them."""
-    from ddp_template.tokens.corpus import corpus
+    from ddp_template.optional.tokens.corpus import corpus
 
     path = work / "data" / f"corpus-{size}-0"  # conf/data/corpus.yaml: corpus-${size}-${seed}
     corpus(str(path), size=size)

@@ -34,9 +34,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_template.gpt.model import gpt
-from ddp_template.tokens.file import TokenFile
-from ddp_template.tokens.windows import Windows
+from ddp_template.optional.gpt.model import gpt
+from ddp_template.optional.tokens.file import TokenFile
+from ddp_template.optional.tokens.windows import Windows
 
 
 def parser() -> argparse.ArgumentParser:

@@ -2,8 +2,9 @@
 
     python benchmarks/shards.py [--rounds 5] [--samples 4096] [--out report.md]
 
-One set of PNG shards (synthetic 3x32x32 images written by ``ddp_template.webdataset.writer``, 16
-shards of 256) is read by 2 ranks x 2 loader workers, batch 64, in three variants:
+One set of PNG shards (synthetic 3x32x32 images written by
+``ddp_template.optional.webdataset.writer``, 16 shards of 256) is read by 2 ranks x 2 loader
+workers, batch 64, in three variants:
 
 * ``template``: ``data=webdataset``'s loader (``PlanSampler`` + ``PlanReader``: the epoch plan,
   each worker's contiguous range) with the accounting on: every batch into the per-worker
@@ -43,7 +44,7 @@ VARIANTS = ("template", "webdataset", "template (A/A)")
 
 
 def write_shards(folder: Path, samples: int) -> tuple[str, int]:
-    from ddp_template.webdataset.writer import write
+    from ddp_template.optional.webdataset.writer import write
 
     overrides = [f"data.size={samples}", "data.test_size=64", "data.image_size=32"]
     pattern, _ = write("data=synthetic", folder, 256, "png", overrides)["train"]
@@ -58,9 +59,9 @@ def template_epoch_s(pattern: str, rank: int) -> float:
     from ddp_template.engine import EpochStats
     from ddp_template.ledger.tally import IndexTally
     from ddp_template.ledger.verify import epoch_metrics, own_check
-    from ddp_template.webdataset.index import ShardIndex
-    from ddp_template.webdataset.kind import Sharded
-    from ddp_template.webdataset.reader import ShardSamples
+    from ddp_template.optional.webdataset.index import ShardIndex
+    from ddp_template.optional.webdataset.kind import Sharded
+    from ddp_template.optional.webdataset.reader import ShardSamples
 
     info = DistInfo(
         rank=rank,
@@ -91,7 +92,7 @@ def template_epoch_s(pattern: str, rank: int) -> float:
 
 def _decoded(sample: dict) -> tuple:
     """A WebDataset sample as the template decodes it (the same function, the same work)."""
-    from ddp_template.webdataset.reader import decode
+    from ddp_template.optional.webdataset.reader import decode
 
     return decode("png", sample["png"]), int(sample["cls"]), sample["__key__"]
 

@@ -48,7 +48,7 @@ def measure_first_batch(directory: Path) -> dict:
     from ddp_template.distributed import DistInfo
 
     before, start = rss_mib(), time.perf_counter()
-    from ddp_template.tokens.splits import tokens
+    from ddp_template.optional.tokens.splits import tokens
 
     splits = tokens(str(directory), block_size=BLOCK)
     cpu = torch.device("cpu")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from helpers import ROOT, free_port, run, run_env
 from omegaconf import DictConfig
 
-from ddp_template import distributed
+from ddp_template import checks, distributed
 from ddp_template.amp import check_amp
 from ddp_template.config import boundary
 from ddp_template.config.schema import BackendConfig
@@ -121,14 +121,14 @@ def test_fork_is_refused_where_cuda_is_available(
 ) -> None:
     cfg = boundary.typed(compose_cfg("dist.nproc=2", "dist.start_method=fork", "backend=gloo"))
     fake_gpus(monkeypatch, 0)
-    boundary.check(cfg)  # no CUDA: fork is fine
+    checks.check(cfg)  # no CUDA: fork is fine
     fake_gpus(monkeypatch, 2)
     with pytest.raises(ConfigError) as err:
-        boundary.check(cfg)
+        checks.check(cfg)
     message = str(err.value)
     one_sentence(message)
     assert "dist.start_method=fork" in message and "forkserver" in message
-    boundary.check(boundary.typed(compose_cfg("dist.nproc=2", "backend=gloo")))  # the default
+    checks.check(boundary.typed(compose_cfg("dist.nproc=2", "backend=gloo")))  # the default
 
 
 def test_explicit_nccl_two_ranks_on_one_gpu_exits_2_in_one_sentence(tmp_path: Path) -> None:

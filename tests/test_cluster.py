@@ -460,7 +460,7 @@ def test_dist_nproc_inside_a_launch_is_refused_unless_it_matches(
     monkeypatch: pytest.MonkeyPatch, nproc: int, refused: bool
 ) -> None:
     """`srun -n 2 python train.py dist.nproc=4` must not start ranks inside ranks."""
-    from ddp_template.config.boundary import _check_launch
+    from ddp_template.checks import _check_launch
     from ddp_template.config.schema import Config
 
     for key, value in env_of("RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2").items():

@@ -10,12 +10,13 @@ import torch
 from helpers import ROOT, run, train_cmd
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_template.config.boundary import check, typed
+from ddp_template.checks import check
+from ddp_template.config.boundary import typed
 from ddp_template.config.schema import SamplerMode
 from ddp_template.data.sampler_modes import SAMPLER_MODES
-from ddp_template.data.splits import build_splits
 from ddp_template.errors import ConfigError
 from ddp_template.models import build_model
+from ddp_template.splits import build_splits
 
 GROUPS = {
     "sampler": list(SAMPLER_MODES),

@@ -11,14 +11,15 @@ import torch
 from conftest import compose_conf
 from helpers import run, train_cmd
 
+from ddp_template import checks
 from ddp_template.checkpoint import FORMAT_VERSION, save_atomic
 from ddp_template.config import boundary
 from ddp_template.config.schema import FinetuneConfig, TransformsConfig
-from ddp_template.data.splits import build_splits
 from ddp_template.data.transforms import apply_transforms
 from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
 from ddp_template.finetune import init_weights
 from ddp_template.models import check_batch_statistics, small_cnn, torchvision_model
+from ddp_template.splits import build_splits
 
 
 def refused(call, *named: str) -> str:
@@ -33,7 +34,7 @@ def refused(call, *named: str) -> str:
 
 
 def checked(*overrides: str) -> None:
-    boundary.check(boundary.typed(compose_conf(*overrides)))
+    checks.check(boundary.typed(compose_conf(*overrides)))
 
 
 @pytest.mark.parametrize(
@@ -225,7 +226,7 @@ def test_uneven_join_on_planned_data_is_refused_in_one_sentence() -> None:
     from conftest import compose_conf
 
     from ddp_template.data.builtin import digits
-    from ddp_template.data.kind import Planned
+    from ddp_template.kind import Planned
 
     cfg = boundary.typed(compose_conf("uneven=join"))
     base = digits()

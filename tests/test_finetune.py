@@ -31,11 +31,11 @@ from ddp_template.config import boundary
 from ddp_template.config.schema import FinetuneConfig
 from ddp_template.data.contract import DataInfo
 from ddp_template.data.loader import build_eval_loader
-from ddp_template.data.splits import build_splits
 from ddp_template.engine import _step
 from ddp_template.evaluation import evaluate
 from ddp_template.finetune import init_weights
 from ddp_template.models import build_model, small_cnn
+from ddp_template.splits import build_splits
 from ddp_template.task import EvalResult
 from ddp_template.tasks.classification import Classification
 

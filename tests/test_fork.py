@@ -27,10 +27,10 @@ from omegaconf import DictConfig, OmegaConf
 from ddp_template.amp import autocast
 from ddp_template.config.boundary import typed
 from ddp_template.data.array import array_dataset
-from ddp_template.data.splits import build_splits
 from ddp_template.errors import ConfigError
 from ddp_template.models import build_model
 from ddp_template.optim import build_optimizer
+from ddp_template.splits import build_splits
 
 EXPERIMENTS = ["digits_ddp", "cifar10_resnet18", "synthetic_throughput"]
 FAST = ["logger=none", "epochs=1", "max_steps_per_epoch=3", "checkpoint.enabled=false"]

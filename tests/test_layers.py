@@ -3,10 +3,10 @@
 Every module of ``src/ddp_template`` (and ``train.py``) is parsed with ``ast``, not imported:
 its imports of the package, at module level and inside functions, must be exactly what the
 "may import" column of its row lists (in italics: only inside a function), every module has a
-row and every row a module. Then the layering rules themselves: the core never imports an
-optional folder (``webdataset/``, ``streams/``, ``tokens/``, ``gpt/``) by name, no module imports a
-switch or
-``train.py``, the modules named by string exist, and the import graph has no cycle.
+row and every row a module. Then the layering rules themselves: the core never imports the
+optional wing (``optional/``) by name, no module imports a switch or ``train.py``, every by-name
+registry's entries exist, the import graph has no cycle, and neither has the graph of rooms (a
+folder, or a module at the package root): the rooms stack as floors, and no import points up.
 """
 
 from __future__ import annotations
@@ -19,18 +19,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "src" / "ddp_template"
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
-# Folders a forker may delete, folder and all: the data kinds (any folder with a kind of its own;
-# data/kind.py is the seam itself, and map-style data's kind), the GPT (model=gpt) and FSDP2
-# (parallel=fsdp2).
-KINDS = {p.parent.name for p in PKG.glob("*/kind.py")} - {"data"}
-OPTIONAL = frozenset({"webdataset", "streams", "tokens", "gpt", "fsdp2", *KINDS})
+WING = "optional"  # the folder of folders a forker may delete, each with its YAMLs and tests
+OPTIONAL = frozenset({"webdataset", "streams", "tokens", "gpt", "fsdp2", "live"})
 TRAIN = "train"  # train.py's name in the map (it lives beside src/, not in the package)
 CELL = re.compile(r"(?<!\\)\|")  # a table's cell border (``\|`` is a pipe inside a cell)
 NAME = re.compile(r"(\*?)`([^`]+)`(\*?)")  # `module`, or *`module`*: only inside a function
 
 
 def module_name(path: Path) -> str:
-    """``data/kind.py`` → ``data.kind``; ``switches/__init__.py`` → ``switches``."""
+    """``kind.py`` → ``kind``; ``switches/__init__.py`` → ``switches``."""
     if path == ROOT / "train.py":
         return TRAIN
     parts = path.relative_to(PKG).with_suffix("").parts
@@ -128,10 +125,22 @@ def module_map() -> dict[str, tuple[int, dict[str, bool]]]:
     return rows
 
 
+def optional_folder(module: str) -> str | None:
+    """``optional.webdataset.plan`` → ``webdataset``; a core module → None."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == WING and len(parts) > 1 else None
+
+
 def absent(module: str) -> bool:
-    """A module of an optional kind whose folder a forker deleted: its rows may stay."""
-    top = module.split(".")[0]
-    return top in OPTIONAL and not (PKG / top).is_dir()
+    """A module of an optional folder a forker deleted: its rows may stay."""
+    folder = optional_folder(module)
+    return folder is not None and not (PKG / WING / folder).is_dir()
+
+
+def test_the_wing_holds_exactly_the_optional_folders() -> None:
+    """What README and ARCHITECTURE call optional is what ``optional/`` holds (or held)."""
+    present = {p.name for p in (PKG / WING).iterdir() if (p / "__init__.py").is_file()}
+    assert present <= OPTIONAL, sorted(present - OPTIONAL)
 
 
 def test_every_module_has_a_row_and_every_row_a_module() -> None:
@@ -168,15 +177,16 @@ def test_the_may_import_column_is_what_each_module_imports() -> None:
     assert not problems, "the module map is stale:\n" + "\n".join(problems)
 
 
-def test_the_core_never_imports_an_optional_kind() -> None:
-    """A data kind is chosen by its factory (``Splits(kind=...)``) and a model by its YAML, so
-    deleting an optional folder leaves every other module importable."""
+def test_the_core_never_imports_the_optional_wing() -> None:
+    """A data kind is chosen by its factory (``Splits(kind=...)``), a model by its YAML, a layout
+    or a tolerance by a registry's string, so deleting an optional folder leaves every other
+    module importable."""
     offenders = [
         f"{module} imports {target}"
         for module, targets in real_imports().items()
-        if module.split(".")[0] not in OPTIONAL
+        if optional_folder(module) is None
         for target in targets
-        if target.split(".")[0] in OPTIONAL
+        if target.split(".")[0] == WING
     ]
     assert not offenders, offenders
 
@@ -193,68 +203,118 @@ def test_no_module_imports_a_switch_or_train_py() -> None:
     assert not offenders, offenders
 
 
-def named_function(dotted: str) -> str | None:
-    """Why ``ddp_template.<module>.<function>`` names nothing, or None."""
-    module, _, function = dotted.removeprefix("ddp_template.").rpartition(".")
+REFERENCE = re.compile(r"ddp_template(\.\w+)+(:\w+)?")  # an entry point: module[:attribute]
+REGISTRIES = {  # every by-name registry: module → the names it assigns
+    "switches": ("SWITCHES",),
+    "parallel": ("PARALLEL",),
+    "tolerance": ("TOLERANCE", "SUPERVISOR"),
+    "process.preload": ("FORK_SERVER",),
+}
+
+
+def named(reference: str) -> str | None:
+    """Why ``ddp_template.<module>[:<attribute>]`` names nothing, or None."""
+    module, _, attribute = reference.removeprefix("ddp_template.").partition(":")
     path = sources().get(module)
     if path is None:
-        return f"{dotted}: no module {module}"
-    defined = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
-    return None if function in defined else f"{dotted}: {module} defines no {function}"
+        return f"{reference}: no module {module}"
+    top = ast.parse(path.read_text()).body
+    defined = {n.name for n in top if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    return None if not attribute or attribute in defined else f"{reference}: no {attribute}"
 
 
-def registry(path: Path, name: str) -> dict[str, str]:
-    """The literal dict ``name`` a module assigns (a registry of builders named by string)."""
-    (found,) = [
-        ast.literal_eval(n.value)
+def entries(path: Path, name: str) -> list[str]:
+    """The string entries a module's assignment ``name = ...`` holds (a dict's values, a string,
+    or an f-string's text with ``{PACKAGES[0]}`` read as ``ddp_template``)."""
+    (node,) = [
+        n.value
         for n in ast.parse(path.read_text()).body
         if isinstance(n, (ast.Assign, ast.AnnAssign))
-        and name in ast.unparse(n.targets[0] if isinstance(n, ast.Assign) else n.target)
+        and name == ast.unparse(n.targets[0] if isinstance(n, ast.Assign) else n.target)
     ]
-    assert found, f"{name} is empty"
-    return found
+    if isinstance(node, ast.JoinedStr):
+        return [ast.unparse(node)[2:-1].replace("{PACKAGES[0]}", "ddp_template")]
+    found = ast.literal_eval(node)
+    return list(found.values()) if isinstance(found, dict) else [found]
 
 
-def test_the_modules_named_by_string_exist() -> None:
-    """What is imported by name at run time, where ``ast`` sees no import: every builder in
-    ``SWITCHES`` and ``parallel.PARALLEL``, and the module a fork server imports first
-    (``preload.FORK_SERVER``)."""
-    from ddp_template.process.preload import FORK_SERVER  # the standard library only
-
-    builders = [
-        *registry(PKG / "switches" / "__init__.py", "SWITCHES").values(),
-        *registry(PKG / "parallel.py", "PARALLEL").values(),
-    ]
-    present = [
-        b
-        for b in builders
-        if (folder := b.removeprefix("ddp_template.").split(".")[0]) not in OPTIONAL
-        or (PKG / folder).is_dir()  # a deleted optional folder's entry may stay
-    ]
-    problems = [why for builder in present if (why := named_function(builder))]
-    server = FORK_SERVER.removeprefix("ddp_template.")
-    if server not in sources():
-        problems.append(f"preload.FORK_SERVER={FORK_SERVER}: no such module")
+def test_every_registry_entry_is_one_format_and_exists() -> None:
+    """Every by-name registry writes Python's entry-point reference (``module:attribute``, or a
+    module), and each entry names what exists, unless its optional folder was deleted: then
+    ``registry.load`` refuses it in one sentence (tests/test_registry.py)."""
+    problems = []
+    for module, names in REGISTRIES.items():
+        for name in names:
+            for reference in entries(sources()[module], name):
+                where = f"{module}.{name}: {reference!r}"
+                if not REFERENCE.fullmatch(reference):
+                    problems.append(f"{where} is not 'ddp_template.module:attribute'")
+                elif not absent(reference.removeprefix("ddp_template.").partition(":")[0]) and (
+                    why := named(reference)
+                ):
+                    problems.append(f"{where}: {why}")
     assert not problems, problems
+
+
+def cycle_in(graph: dict[str, list[str]]) -> list[str] | None:
+    """One cycle of a directed graph (as the path that closes it), or None."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return [*path[path.index(node) :], node]
+        if node in done:
+            return None
+        for target in graph.get(node, ()):
+            if found := visit(target, [*path, node]):
+                return found
+        done.add(node)
+        return None
+
+    for node in sorted(graph):
+        if found := visit(node, []):
+            return found
+    return None
+
+
+def room(module: str) -> str:
+    """The room a module lives in: its folder (an optional one: ``optional/<folder>``), or the
+    module itself at the package root."""
+    parts = module.split(".")
+    if parts[0] == WING and len(parts) > 2:
+        return ".".join(parts[:2])
+    return parts[0] if len(parts) > 1 else module
+
+
+def rooms() -> dict[str, list[str]]:
+    """Room → the rooms its modules import (itself left out)."""
+    graph: dict[str, set[str]] = {}
+    for module, targets in real_imports().items():
+        graph.setdefault(room(module), set()).update(
+            room(t) for t in targets if t in sources() and room(t) != room(module)
+        )
+    return {r: sorted(ts) for r, ts in graph.items()}
+
+
+def test_the_rooms_stack_as_floors() -> None:
+    """An import that points up a floor closes a loop between rooms (folders, root modules):
+    ``data/`` importing ``engine`` while ``engine`` imports ``data/`` makes them one tangle."""
+    found = cycle_in(rooms())
+    assert found is None, "an import points up a floor, closing " + " → ".join(found)
+
+
+def test_the_floor_test_fails_on_a_planted_upward_import() -> None:
+    """The rule above can fail: ``data/`` importing the recipe's ``engine`` (which imports
+    ``data/``) is caught."""
+    graph = rooms()
+    assert "data" in graph["engine"]
+    planted = graph | {"data": [*graph["data"], "engine"]}
+    assert cycle_in(planted) is not None
 
 
 def test_the_import_graph_has_no_cycle() -> None:
     graph = {
         m: sorted(t for t in targets if t in sources()) for m, targets in real_imports().items()
     }
-    done: set[str] = set()
-
-    def visit(module: str, path: list[str]) -> list[str] | None:
-        if module in path:
-            return [*path[path.index(module) :], module]
-        if module in done:
-            return None
-        for target in graph[module]:
-            if cycle := visit(target, [*path, module]):
-                return cycle
-        done.add(module)
-        return None
-
-    for module in sorted(graph):
-        cycle = visit(module, [])
-        assert cycle is None, "an import cycle: " + " → ".join(cycle)
+    found = cycle_in(graph)
+    assert found is None, "an import cycle: " + " → ".join(found)

@@ -7,10 +7,11 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from ddp_template.config.boundary import check, plain, typed
-from ddp_template.data.splits import build_splits
+from ddp_template.checks import check
+from ddp_template.config.boundary import plain, typed
 from ddp_template.errors import ConfigError
 from ddp_template.models import build_model
+from ddp_template.splits import build_splits
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 from torch import nn
 
-from ddp_template import numerics
+from ddp_template import checks, numerics
 from ddp_template.config import boundary
 from ddp_template.config.schema import LoaderConfig, MatmulPrecision, NumericsConfig, OptimConfig
 from ddp_template.data import workers
@@ -87,14 +87,14 @@ def test_cudnn_benchmark_contradicting_deterministic_is_one_sentence(
         compose_cfg("numerics.deterministic=true", "numerics.cudnn_benchmark=true")
     )
     with pytest.raises(ConfigError) as err:
-        boundary.check(cfg)
+        checks.check(cfg)
     message = str(err.value)
     assert message.startswith(
         "numerics.cudnn_benchmark=true contradicts numerics.deterministic=true"
     )
     assert "drop numerics.cudnn_benchmark" in message and "\n" not in message
     deterministic = boundary.typed(compose_cfg("numerics.deterministic=true"))
-    boundary.check(deterministic)  # benchmark off by itself
+    checks.check(deterministic)  # benchmark off by itself
 
 
 def test_channels_last_converts_weights_and_every_input_batch() -> None:

@@ -30,12 +30,13 @@ from helpers import (
 from test_resume import assert_identical
 from torch.utils.data import DataLoader
 
+from ddp_template import checks
 from ddp_template.config import boundary
 from ddp_template.data.contract import DataInfo
-from ddp_template.data.splits import build_splits
 from ddp_template.errors import ConfigError
 from ddp_template.evaluation import evaluate
 from ddp_template.models import build_model, mlp
+from ddp_template.splits import build_splits
 from ddp_template.task import build_task
 from ddp_template.tasks.regression import Regression
 
@@ -125,9 +126,9 @@ def test_refusals_name_the_fix() -> None:
     with pytest.raises(ConfigError, match="model=mlp needs the data's in_features"):
         mlp(out_features=1)
     checked = ["data.val_fraction=0.2", *REGRESSION]
-    boundary.check(boundary.typed(compose_conf(*checked, "selection.monitor=val/mse")))
+    checks.check(boundary.typed(compose_conf(*checked, "selection.monitor=val/mse")))
     with pytest.raises(ConfigError) as err:
-        boundary.check(boundary.typed(compose_conf(*checked, "selection.monitor=val/accuracy")))
+        checks.check(boundary.typed(compose_conf(*checked, "selection.monitor=val/accuracy")))
     assert "['val/mse', 'val/mae', 'val/r2']" in str(err.value) and "\n" not in str(err.value)
 
 

@@ -10,8 +10,8 @@ from helpers import run, train_cmd
 
 # Modules that only a config choice may import: the other data kinds and the EMA switch.
 UNSELECTED = (
-    "ddp_template.webdataset",
-    "ddp_template.streams",
+    "ddp_template.optional.webdataset",
+    "ddp_template.optional.streams",
     "ddp_template.switches.ema",
 )
 
@@ -27,5 +27,5 @@ def test_the_default_job_imports_no_module_it_did_not_select(tmp_path) -> None:
     proc = run([cmd[0], "-X", "importtime", *cmd[1:]])
     modules = imported(proc.stderr)
     ours = {m for m in modules if m.startswith("ddp_template.")}
-    assert {"ddp_template.data.kind", "ddp_template.switches"} <= ours, sorted(ours)  # it parsed
+    assert {"ddp_template.kind", "ddp_template.switches"} <= ours, sorted(ours)  # it parsed
     assert not {m for m in ours if m.startswith(UNSELECTED)}, sorted(ours)

@@ -17,8 +17,8 @@ from test_resume import assert_identical, final_model, launch
 
 from ddp_template.config import boundary
 from ddp_template.data.loader import build_train_loader, build_train_sampler
-from ddp_template.data.splits import build_splits
 from ddp_template.data.transforms import Augmented, apply_transforms
+from ddp_template.splits import build_splits
 
 AUGMENTED = ["transforms=cifar", "data.image_size=32"]  # after test_resume's BASE: 32 px
 

@@ -18,7 +18,8 @@ import wandb
 from omegaconf import DictConfig
 from wandb_reader import find_runs
 
-from ddp_template.config.boundary import check, typed
+from ddp_template.checks import check
+from ddp_template.config.boundary import typed
 from ddp_template.config.schema import LoggerConfig, SystemMetrics, WandbLayout, WandbMode
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError

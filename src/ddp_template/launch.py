@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import logging
 import os
 import signal
@@ -25,6 +24,7 @@ from ddp_template.distributed import LAUNCHER_VAR, launched_by_torchrun
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED
 from ddp_template.process import exit_records, server_start
 from ddp_template.process.preload import loaded_modules
+from ddp_template.registry import load
 from ddp_template.run_identity import RunInfo
 from ddp_template.tolerance import SUPERVISOR, fallback_line, reconfigurable
 
@@ -66,8 +66,8 @@ def launch(fn: Any, cfg: Config, run: RunInfo) -> Any:
     if cfg.fault_tolerance.mode == "live":
         why = reconfigurable()
         if why is None:
-            module, name = SUPERVISOR.split(":")
-            return getattr(importlib.import_module(module), name)(_importable(fn), cfg, run)
+            supervise = load(SUPERVISOR, key="fault_tolerance=live", fix="set fault_tolerance=off.")
+            return supervise(_importable(fn), cfg, run)
         print(f"warning: {fallback_line(why)}", file=sys.stderr)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -16,7 +16,6 @@ evaluated and checkpointed, so a compiled run's checkpoint resumes uncompiled an
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -30,10 +29,11 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ddp_template.config.schema import DDPConfig, ParallelConfig
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
+from ddp_template.registry import load
 
 # parallel.name → the builder of that layout, ``(cfg: ParallelConfig, info, amp=) -> Parallel``
 # (ddp is this module's own).
-PARALLEL = {"fsdp2": "ddp_template.fsdp2.layout.build_fsdp2"}
+PARALLEL = {"fsdp2": "ddp_template.optional.fsdp2.layout:build_fsdp2"}
 
 
 class Parallel(Protocol):
@@ -75,15 +75,8 @@ def build_parallel(cfg: ParallelConfig, ddp: DDPConfig, info: DistInfo, *, amp: 
     names."""
     if cfg.name == "ddp":
         return Replicated(cfg=ddp, info=info)
-    module, _, builder = PARALLEL[str(cfg.name)].rpartition(".")
-    try:
-        found = importlib.import_module(module)
-    except ModuleNotFoundError:  # its optional folder deleted
-        raise ConfigError(
-            f"parallel={cfg.name} needs {module}, which this copy of the template does not "
-            f"have; set parallel=ddp."
-        ) from None
-    return getattr(found, builder)(cfg, info, amp=amp)
+    builder = load(PARALLEL[str(cfg.name)], key=f"parallel={cfg.name}", fix="set parallel=ddp.")
+    return builder(cfg, info, amp=amp)
 
 
 @dataclass(kw_only=True)

@@ -45,17 +45,17 @@ from ddp_template.config import boundary
 from ddp_template.config.schema import Config
 from ddp_template.data.contract import Splits
 from ddp_template.data.epoch_steps import EpochSteps
-from ddp_template.data.kind import DataKind, kind_of
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShareSampler
-from ddp_template.data.splits import build_splits
 from ddp_template.data.transforms import apply_transforms
 from ddp_template.distributed import DistInfo
 from ddp_template.elastic import read_segments
 from ddp_template.errors import ConfigError, Misfit, command
+from ddp_template.kind import DataKind, kind_of
 from ddp_template.models import build_model, weights_part
 from ddp_template.rng import RngState
 from ddp_template.spike import sample_losses
+from ddp_template.splits import build_splits
 from ddp_template.task import build_task
 
 INDEX_MAX_RANDPERM = 2**28  # N x epochs for --index under randperm: ~10 s on a 2-core CPU

@@ -3,14 +3,13 @@
 ``fault_tolerance=off`` (the default) is the restart path: a failed collective ends the
 process, the launcher ends the group, and a restart resumes from the last checkpoint at any
 world size (``elastic``). ``fault_tolerance=live`` survives it in place: the optional folder
-``ddp_template.live`` (named here by string, imported only when chosen) regroups the survivors
-and hands them the state of the one furthest on, as an in-memory checkpoint of the old world
-size, which the elastic-resume path continues exactly like a checkpoint from disk.
+``ddp_template.optional.live`` (named here by string, imported only when chosen) regroups the
+survivors and hands them the state of the one furthest on, as an in-memory checkpoint of the old
+world size, which the elastic-resume path continues exactly like a checkpoint from disk.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from typing import Any, NamedTuple, Protocol
@@ -21,12 +20,13 @@ from ddp_template import distributed
 from ddp_template.checkpoint import Found
 from ddp_template.config.schema import BackendConfig, FaultToleranceConfig
 from ddp_template.distributed import DistInfo
+from ddp_template.registry import load
 
 log = logging.getLogger(__name__)
 
 # mode -> "module:builder"; the builder takes (FaultToleranceConfig, BackendConfig).
-TOLERANCE = {"live": "ddp_template.live.membership:build_live"}
-SUPERVISOR = "ddp_template.live.supervisor:supervise"  # the live launcher (launch.py)
+TOLERANCE = {"live": "ddp_template.optional.live.membership:build_live"}
+SUPERVISOR = "ddp_template.optional.live.supervisor:supervise"  # the live launcher (launch.py)
 
 
 class Start(NamedTuple):
@@ -102,8 +102,8 @@ def build_tolerance(cfg: FaultToleranceConfig, backend: BackendConfig) -> Tolera
     """The ``fault_tolerance`` group's builder (in each rank)."""
     if cfg.mode == "off" or not live_launch():
         return Restart(backend)
-    module, name = TOLERANCE[str(cfg.mode)].split(":")
-    return getattr(importlib.import_module(module), name)(cfg, backend)
+    key = f"fault_tolerance={cfg.mode}"
+    return load(TOLERANCE[str(cfg.mode)], key=key, fix="set fault_tolerance=off.")(cfg, backend)
 
 
 LIVE_VAR = "DDP_TEMPLATE_LIVE"  # set by the live launcher for its ranks

@@ -66,6 +66,8 @@ from ddp_template.config.options import (
 )
 from ddp_template.errors import ConfigError
 
+SPLIT_KEYS = ("val_fraction",)  # data keys the template applies itself (not the factory's)
+
 
 @dataclass
 class SamplerConfig:

@@ -45,7 +45,7 @@ class Splits:
     test: Dataset
     info: DataInfo
     val: Dataset | None = None  # carved from the training data with data.val_fraction
-    # The data kind that reads the training split (ddp_template.data.kind.DataKind): None is
+    # The data kind that reads the training split (ddp_template.kind.DataKind): None is
     # map-style data; a factory of another kind names its own (e.g. a stream's).
     kind: Any = None
 

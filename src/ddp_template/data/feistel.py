@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ddp_template.data.splitmix import splitmix64
+from ddp_template.splitmix import splitmix64
 
 _M64 = (1 << 64) - 1
 _FEISTEL_ROUNDS = 8

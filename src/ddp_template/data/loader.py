@@ -3,7 +3,7 @@ loader every kind shares.
 
 The position within an epoch lives in the sampler (``ShareSampler.state_dict(position)``), so a
 resumed loader starts at the next unseen sample without loading any skipped one. Other kinds of
-training data (``data.kind``) build their own sampler and loader from the same parts.
+training data (``kind``) build their own sampler and loader from the same parts.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from torch.utils.data import Dataset
 
 from ddp_template.config.schema import TransformsConfig
 from ddp_template.data.contract import Splits
-from ddp_template.data.splitmix import splitmix64
 from ddp_template.errors import ConfigError
+from ddp_template.splitmix import splitmix64
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:

@@ -19,7 +19,7 @@ are ints mod 2**64 until the report, which shows them as 16 hex digits. Readers:
 - ``EpochReport`` (``RankLine``, ``WorkerLine``, ``PriorLine``, ``Coverage``, ``Verdict``):
   written by ``ledger.verify.epoch_report`` and ``streams.verify.key_report``; read by
   ``sinks.metrics.RankLogger.log_share_report`` (the ``shards/*`` keys and tables, the warning,
-  the alerts), ``sinks.console.report_lines`` (the console block), ``data.kind`` (``verify``)
+  the alerts), ``sinks.console.report_lines`` (the console block), ``kind`` (``verify``)
   and whoever calls ``streams.audited.Audited.verdict``.
 """
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ddp_template.data.splitmix import splitmix64
 from ddp_template.ledger.records import SavedLedger, Tallied
+from ddp_template.splitmix import splitmix64
 
 _M64 = 2**64 - 1
 

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from ddp_template.data.splitmix import splitmix64
 from ddp_template.distributed import DistInfo, gather_objects
 from ddp_template.ledger.records import (
     Coverage,
@@ -38,6 +37,7 @@ from ddp_template.ledger.records import (
     WorkerLine,
 )
 from ddp_template.ledger.tally import fingerprint_hex, fingerprint_sum, join_ledgers
+from ddp_template.splitmix import splitmix64
 
 _M64 = 2**64 - 1
 DEFINITION_PROBES = 64  # slots of the epoch hashed into a rank's definition digest

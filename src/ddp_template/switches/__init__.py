@@ -11,15 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from hydra.utils import get_method
+from ddp_template.registry import load
 
-SWITCHES = {"ema": "ddp_template.switches.ema.build_ema"}  # config key → builder
+SWITCHES = {"ema": "ddp_template.switches.ema:build_ema"}  # config key → builder
 
 
 def build_switches(cfg: Any, model: Any, info: Any, mirror: Any) -> dict[str, Any]:
     """The switches that are on, by name: each a checkpoint part with ``after_step(state)``."""
     return {
-        key: get_method(builder)(getattr(cfg, key), model, info, mirror)
+        key: load(builder, key=f"{key}.on=true", fix=f"set {key}.on=false.")(
+            getattr(cfg, key), model, info, mirror
+        )
         for key, builder in SWITCHES.items()
         if getattr(cfg, key).on
     }

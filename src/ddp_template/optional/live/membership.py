@@ -1,0 +1,233 @@
+"""``fault_tolerance=live``, a rank's side: its heartbeat, the membership it regroups into.
+
+Every rank joins torch's reconfigurable gloo process group (``enable_reconfigure=True``; a
+process-unique rank so that a replacement's handle never collides with a dead rank's) and
+talks to the launcher through the store the launcher hosts (``live.supervisor``). The launcher
+publishes each membership as a generation ``g`` (``members/<g>``: the member ids); the members
+of ``g`` post their reconfigure handle and the step their weights stand at (``arrive/<g>/<id>``)
+and, once all have, reconfigure the group with the handles in one order every member computes
+alike: the survivors furthest on first (the new rank 0 is the one every other takes its state
+from), then by slot, replacements last. A generation that loses a member before it forms is
+superseded by the next one the launcher publishes.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_template import distributed
+from ddp_template.checkpoint import Found
+from ddp_template.config.schema import BackendConfig, FaultToleranceConfig
+from ddp_template.distributed import DistInfo
+from ddp_template.optional.live import keys
+from ddp_template.optional.live.handover import handover
+from ddp_template.tolerance import MEMBERSHIP_VAR, Segment, Start
+
+log = logging.getLogger(__name__)
+
+PROCESS_RANKS = 1 << 20  # the group's nominal size at init: every process's rank is its own
+LOOK_S = 0.05  # how often the heartbeat thread looks for the next membership
+
+
+class Regroup(Exception):  # noqa: N818  (not an error: the members regroup at a boundary)
+    """A replacement waits: every member leaves the loop at the same step boundary."""
+
+
+class Lost(SystemExit):
+    """This rank was counted lost (too slow to answer): it leaves; the others went on."""
+
+
+class Live:
+    """This rank's membership of a live group."""
+
+    def __init__(self, cfg: FaultToleranceConfig, backend: BackendConfig) -> None:
+        self.cfg, self.backend = cfg, backend
+        self.slot, self.incarnation = int(os.environ["RANK"]), keys.incarnation()
+        self.id = keys.member_id(self.slot, self.incarnation)
+        self.store = keys.connect(timedelta(seconds=cfg.regroup_timeout_s))
+        self.gen, self.target = -1, 0
+        self.seen = -1  # the newest membership the heartbeat thread saw published
+        self.regrouped = False  # the first step after a regroup: rank 0 records its commit
+        self._agreeing: Any = None  # the admission check in flight (an async all-reduce)
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        self.info: DistInfo | None = None
+        self._heartbeat = threading.Thread(target=self._beat, name="live-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        """Own store client: the main thread's may be blocked in a long wait on the store.
+        With each beat it looks for the next membership, so the step boundary never waits on
+        the store."""
+        store, n, beat_at = keys.connect(timedelta(seconds=self.cfg.regroup_timeout_s)), 0, 0.0
+        while True:
+            if time.monotonic() - beat_at >= self.cfg.heartbeat_s:
+                n, beat_at = n + 1, time.monotonic()
+                store.set(keys.heartbeat(self.id), str(n))
+            nxt = self.gen + 1
+            if self.seen < nxt and store.check([keys.members(nxt)]):
+                self.seen = nxt
+            time.sleep(LOOK_S)
+
+    def setup(self) -> Start:
+        base = distributed.setup_local(self.backend)  # device, threads, launcher: no group yet
+        world = int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore("pg", keys.connect(timedelta(seconds=60))),
+            rank=self.incarnation * world + self.slot,
+            world_size=PROCESS_RANKS,
+            enable_reconfigure=True,
+            timeout=timedelta(seconds=self.backend.timeout_s),
+        )
+        self.info = base
+        if self.incarnation == 0:
+            return Start(self._regroup(step=0, joining=False), None)
+        self.store.set(keys.ready(self.id), str(os.getpid()))  # the launcher admits it
+        info = self._regroup(step=-1, joining=True)
+        return Start(info, handover(None, info, self.target))
+
+    def boundary(self, step: int) -> None:
+        """Every ``admit_every`` steps: is a replacement waiting? Each rank's heartbeat thread
+        has looked; an all-reduce started here and read ``admit_every`` steps later (no step
+        waits on it) tells every rank the same answer at the same step, so all leave the loop
+        there."""
+        assert self.info is not None
+        if self.regrouped and self.info.is_main:
+            keys.record(os.environ[keys.RECORD_VAR], event="committed", gen=self.gen, step=step)
+        self.regrouped = False
+        if step % self.cfg.admit_every:
+            return
+        if self._agreeing is not None:
+            self._agreeing.wait()
+            self._agreeing = None
+            if self._flag.item():
+                raise Regroup(f"a new membership waits at step {step}")
+        self._flag.fill_(int(self.seen > self.gen))
+        self._agreeing = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
+
+    def recover(self, exc: BaseException, step: int) -> DistInfo | None:
+        """After a failed collective whose cause the launcher confirms (a new membership
+        published within the time it takes to find a silent rank), or a regroup at a boundary:
+        this rank's place in the new group, its weights standing at ``step``."""
+        if not isinstance(exc, Regroup):
+            wait = self.cfg.dead_after_s + 4 * self.cfg.heartbeat_s + 2.0
+            try:
+                self.store.wait([keys.members(self.gen + 1)], timedelta(seconds=wait))
+            except (RuntimeError, dist.DistStoreError):
+                return None  # no member was lost: the failure is the run's own
+            log.warning("regrouping after: %s", str(exc).strip().splitlines()[0][:200])
+        self._agreeing = None  # in the old group: never read
+        _release(exc)
+        self._leave()
+        return self._regroup(step=step, joining=False)
+
+    def _leave(self) -> None:
+        """Close this rank's connections to the old group (a group of itself alone): a survivor
+        still waiting in a collective on this one fails at once, instead of at gloo's
+        timeout, and comes to the regroup too."""
+        solo = (self.gen + 1) * PROCESS_RANKS + self.incarnation * 1024 + self.slot + 1
+        dist._reconfigure(uuid=solo, handles=[dist._get_reconfigure_handle()]).wait()
+
+    def handover(self, held: Segment, info: DistInfo) -> Found:
+        return handover(held, info, self.target)
+
+    def _regroup(self, *, step: int, joining: bool) -> DistInfo:
+        """Into the newest membership: post this rank's handle and step, wait for every member,
+        reconfigure. Returns this rank's place in the new group."""
+        deadline = time.monotonic() + self.cfg.regroup_timeout_s
+        self._await(self.gen + 1, deadline)
+        gen = keys.latest(self.store)
+        while True:
+            members = keys.read_members(self.store, gen)
+            if self.id not in members:
+                if not joining:
+                    raise Lost(f"rank {self.id} was counted lost in membership {gen}; it leaves")
+                self._await(gen + 1, deadline)
+                gen = keys.latest(self.store)
+                continue
+            arrival = {"handle": dist._get_reconfigure_handle(), "step": step, "joining": joining}
+            self.store.set(keys.arrival(gen, self.id), json.dumps(arrival))
+            arrived = [keys.arrival(gen, m) for m in members]
+            while not self.store.check(arrived):
+                if self.store.check([keys.members(gen + 1)]):
+                    break
+                self._check(deadline, gen)
+                time.sleep(0.005)
+            else:
+                posts = {m: json.loads(self.store.get(keys.arrival(gen, m))) for m in members}
+                order = sorted(members, key=lambda m: _place(m, posts[m]))
+                try:
+                    dist._reconfigure(
+                        uuid=gen + 1,
+                        handles=[posts[m]["handle"] for m in order],
+                        timeout=timedelta(seconds=self.cfg.regroup_timeout_s),
+                    ).wait()
+                except RuntimeError:  # a member died while the group formed: the next one
+                    self._await(gen + 1, deadline)
+                    gen = keys.latest(self.store)
+                    continue
+                self.gen, self.target = gen, posts[order[0]]["step"]
+                os.environ[MEMBERSHIP_VAR] = str(gen)  # fault injection's attempt
+                self.regrouped = gen > 0
+                return self._placed(order.index(self.id), len(order))
+            gen = keys.latest(self.store)
+
+    def _await(self, gen: int, deadline: float) -> None:
+        """Until membership ``gen`` is published (a replacement: unless the run finished)."""
+        while not self.store.check([keys.members(gen)]):
+            self._check(deadline, gen)
+            time.sleep(0.005)
+
+    def _check(self, deadline: float, gen: int) -> None:
+        if self.incarnation and self.store.check([keys.CLOSED]):
+            log.warning("the run finished before this replacement was admitted; it leaves")
+            raise SystemExit(0)
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"membership {gen}: its members did not all arrive within "
+                f"fault_tolerance.regroup_timeout_s={self.cfg.regroup_timeout_s} s"
+            )
+
+    def _placed(self, rank: int, world: int) -> DistInfo:
+        assert self.info is not None
+        self.info = replace(
+            self.info,
+            rank=rank,
+            local_rank=rank,
+            world_size=world,
+            local_world_size=world,
+            backend="gloo",
+        )
+        return self.info
+
+
+def _release(exc: BaseException | None) -> None:
+    """Drop the failure's frames: a collective's work they hold keeps the old group's
+    connections open (gloo closes them with the last reference), and a survivor waiting on
+    this rank would wait for gloo's timeout instead of failing now."""
+    while exc is not None:
+        exc.__traceback__ = None
+        exc = exc.__context__
+    gc.collect()
+
+
+def _place(member: str, post: dict[str, Any]) -> tuple[int, int, int]:
+    """Survivors furthest on first (the state's source), then by slot; replacements last."""
+    slot, _ = keys.parse(member)
+    return (int(post["joining"]), -int(post["step"]), slot)
+
+
+def build_live(cfg: FaultToleranceConfig, backend: BackendConfig) -> Live:
+    """The ``fault_tolerance=live`` builder (``tolerance.TOLERANCE``)."""
+    return Live(cfg, backend)

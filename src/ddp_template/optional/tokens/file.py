@@ -1,0 +1,153 @@
+"""A token file: a flat array of token ids (nanoGPT's ``.bin`` layout: little-endian uint16, or
+uint32 for vocabularies over 65,536) beside ``meta.json``, the directory's metadata.
+
+``meta.json`` gives the dtype, the vocabulary size, the tokenizer (``bytes``: one token per
+UTF-8 byte, what bits per byte needs) and each file's length in tokens, which the file's size
+must agree with. A file opens as a read-only memory map: nothing is read until a window is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ddp_template.errors import ConfigError
+
+META = "meta.json"
+FORMAT = "ddp_template.optional.tokens/1"
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+BYTES = "bytes"  # the tokenizer of byte-level files: token = one UTF-8 byte, vocabulary 256
+
+
+def dtype_for(vocab_size: int) -> str:
+    """The narrowest dtype that holds ids below ``vocab_size``."""
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+@dataclass(frozen=True)
+class TokenMeta:
+    """A directory's ``meta.json``."""
+
+    dtype: str
+    vocab_size: int
+    tokenizer: str  # "bytes", or a name of yours ("gpt2", ...): only "bytes" has bits per byte
+    tokens: dict[str, int]  # file name → its length in tokens
+
+    @classmethod
+    def read(cls, directory: Path) -> TokenMeta:
+        path = Path(directory) / META
+        if not path.is_file():
+            raise ConfigError(
+                f"data.path={directory} has no {META} (the token files' dtype, vocabulary and "
+                f"lengths); write the files with python -m "
+                f"ddp_template.optional.tokens.writer write, or "
+                f'add {META} as README "Token files" shows.'
+            )
+        try:
+            raw = json.loads(path.read_text())
+            meta = cls(
+                dtype=str(raw["dtype"]),
+                vocab_size=int(raw["vocab_size"]),
+                tokenizer=str(raw.get("tokenizer", "")),
+                tokens={str(k): int(v) for k, v in raw["tokens"].items()},
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(
+                f"{path} is not token metadata ({type(exc).__name__}: {exc}); it needs "
+                f'{{"dtype": "uint16", "vocab_size": N, "tokens": {{"train.bin": T, ...}}}}.'
+            ) from None
+        if meta.dtype not in DTYPES:
+            raise ConfigError(
+                f"{path} gives dtype {meta.dtype!r}; token files are {' or '.join(DTYPES)} "
+                f"(uint32 for vocabularies over 65,536): rewrite the file in one of them."
+            )
+        limit = 2 ** (8 * DTYPES[meta.dtype].itemsize)
+        if not 1 <= meta.vocab_size <= limit:
+            raise ConfigError(
+                f"{path} gives vocab_size {meta.vocab_size}, which {meta.dtype} ids cannot hold "
+                f"(1..{limit}); use dtype uint32 or fix vocab_size."
+            )
+        return meta
+
+    def write(self, directory: Path) -> Path:
+        path = Path(directory) / META
+        body = {
+            "format": FORMAT,
+            "dtype": self.dtype,
+            "vocab_size": self.vocab_size,
+            "tokenizer": self.tokenizer,
+            "tokens": self.tokens,
+        }
+        tmp = path.with_name(META + ".tmp")
+        tmp.write_text(json.dumps(body, indent=2) + "\n")
+        tmp.replace(path)
+        return path
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    """One token file, memory-mapped read-only, checked against its metadata."""
+
+    path: Path
+    meta: TokenMeta
+    ids: np.memmap | np.ndarray  # the tokens
+
+    @classmethod
+    def open(cls, directory: Path, name: str, key: str) -> TokenFile:
+        """``directory/name``, the file ``key`` (a config key) names."""
+        directory = Path(directory)
+        path = directory / name
+        if not path.is_file():
+            raise ConfigError(
+                f"{key}={name}: no token file {path}; write it with python -m "
+                f"ddp_template.optional.tokens.writer write --text FILE --out {directory}, or "
+                f"point "
+                f"data.path at the directory that holds it."
+            )
+        meta = TokenMeta.read(directory)
+        dtype = DTYPES[meta.dtype]
+        size = path.stat().st_size
+        if size % dtype.itemsize:
+            raise ConfigError(
+                f"{path} is {size:,} bytes, not a whole number of {meta.dtype} tokens "
+                f"({dtype.itemsize} bytes each): the file is truncated or not {meta.dtype}; "
+                f"rewrite it, or fix dtype in {directory / META}."
+            )
+        count = size // dtype.itemsize
+        if meta.tokens.get(name) != count:
+            said = meta.tokens.get(name)
+            raise ConfigError(
+                f"{directory / META} says {name} holds {said} tokens but {path} holds {count:,} "
+                f"{meta.dtype} tokens: the file was changed after its metadata was written; "
+                f"rewrite both with the writer, or set tokens.{name} to {count} if the file is "
+                f"right."
+            )
+        ids = np.memmap(path, dtype=dtype, mode="r") if count else np.zeros(0, dtype)
+        return cls(path, meta, ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def write_tokens(directory: Path, name: str, ids: np.ndarray, meta: TokenMeta) -> TokenMeta:
+    """Write ``ids`` as ``directory/name`` and record its length in ``meta.json``; returns the
+    metadata written. Ids at or above the vocabulary are refused before anything is written."""
+    directory = Path(directory)
+    ids = np.asarray(ids)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= meta.vocab_size):
+        raise ConfigError(
+            f"{name}: token ids span {int(ids.min())}..{int(ids.max())}, outside the "
+            f"vocabulary 0..{meta.vocab_size - 1}; pass the tokenizer's vocabulary size."
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / (name + ".tmp")
+    ids.astype(DTYPES[meta.dtype]).tofile(tmp)
+    tmp.replace(directory / name)
+    updated = TokenMeta(
+        meta.dtype, meta.vocab_size, meta.tokenizer, {**meta.tokens, name: ids.size}
+    )
+    updated.write(directory)
+    return updated
