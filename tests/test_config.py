@@ -42,10 +42,10 @@ GROUPS = {
 
 # Options of an optional folder (a data kind, the GPT): composed by the tests in its own folder.
 KIND_OPTIONS = {
-    ("data", "webdataset"): "tests/webdataset",
-    ("data", "tokens"): "tests/tokens",
-    ("data", "corpus"): "tests/tokens",
-    ("model", "gpt"): "tests/lm",
+    ("data", "webdataset"): "tests/optional/webdataset",
+    ("data", "tokens"): "tests/optional/tokens",
+    ("data", "corpus"): "tests/optional/tokens",
+    ("model", "gpt"): "tests/optional/gpt",
 }
 
 

@@ -233,7 +233,7 @@ def _one_step(cfg: Any, batch: int = 4) -> torch.Tensor:
 
 
 # Presets of an optional folder: composed and stepped by the tests in its own folder.
-FOLDER_EXPERIMENTS = {"lm_bytes": "tests/lm"}
+FOLDER_EXPERIMENTS = {"lm_bytes": "tests/optional/tokens"}
 
 
 def test_every_experiment_is_listed() -> None:
