@@ -13,7 +13,8 @@ YAML whose defaults list picks one of those (``experiment=lm_bytes`` picks ``dat
 ``model=gpt``). Its tests are ``tests/optional/<folder>/`` and any test module that names its
 modules or one of its YAML options (``model=gpt``). The copy is a fresh folder per case holding
 the files git tracks (and the untracked ones it does not ignore); the repository itself is never
-touched; the copy is made a git repository of its own, as a fresh clone is. Exit 0 when every case is green; one line per case either way.
+touched; the copy is made a git repository of its own, as a fresh clone is. Exit 0 when
+every case is green; one line per case either way.
 """
 
 from __future__ import annotations

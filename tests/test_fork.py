@@ -1,7 +1,7 @@
 """Forking the template as a new user would: own model, own data, presets, debug, rename.
 
 Everything runs for real — Hydra composition, train.py subprocesses with 2 gloo ranks, the
-shell commands from README's "Make it yours" in a copy of the repository — on tiny data.
+shell commands from docs/forking.md's "Make it yours" in a copy of the repository — on tiny data.
 
 Presets are chosen with ``experiment=<name>`` (the last slot of the defaults list, so its keys
 win); ``debug=<option>`` is listed in conf/config.yaml after ``_self_`` and overrides the base.
@@ -317,14 +317,14 @@ def test_local_example_overrides_and_is_optional(
 
 def _doc_block(heading: str) -> str:
     """The first ```bash block under a heading of the Make-it-yours section."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "forking.md").read_text()
     section = text.split(heading, 1)[1]
     return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="the rename commands use git grep")
 def test_rename_commands_work_on_a_copy(tmp_path: Path) -> None:
-    """The README's rename commands leave a copy that trains: debug=fast on data=array (the
+    """docs/forking.md's rename commands leave a copy that trains: debug=fast on data=array (the
     debug=fast-on-own-arrays smoke path's one run, too)."""
     files = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
