@@ -28,9 +28,7 @@ def iou_sums(pred: Tensor, target: Tensor, num_classes: int) -> tuple[Tensor, Te
     return inter, area_pred + area_true - inter
 
 
-def mean_iou(
-    inter: Sequence[float], union: Sequence[float]
-) -> tuple[float, list[float | None]]:
+def mean_iou(inter: Sequence[float], union: Sequence[float]) -> tuple[float, list[float | None]]:
     """The mean over classes with a non-zero union of I/U, and each class's IoU (None: no pixel
     of that class predicted or true)."""
     per_class = [i / u if u else None for i, u in zip(inter, union, strict=True)]
