@@ -32,9 +32,10 @@ test: install ## Run the whole test suite (W&B offline)
 test-fast: install ## Only the fast tests (no slow end-to-end runs)
 	WANDB_MODE=offline $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
 
-lint: install ## ruff check, ruff format --check and the docs' links and commands (scripts/check_docs.py)
+lint: install ## ruff check and format, mypy (pyproject's [tool.mypy]), the docs' links and commands
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	$(PY) scripts/check_docs.py
 
 bench: $(BENCH_STAMP) ## The template against bare DDP, Lightning and accelerate (benchmarks/peers.py; ROUNDS=7 EPOCHS=6)

@@ -19,7 +19,7 @@ gc.disable()  # no GC passes over the millions of objects torch's import allocat
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import hydra
 import torch
@@ -31,7 +31,7 @@ from ddp_template.checkpoint import Checkpointer, Found, resume_rank0
 from ddp_template.checkpoint_parts import Ledger, Progress, SamplerPosition
 from ddp_template.config import boundary
 from ddp_template.config.schema import Config, register_configs
-from ddp_template.data.contract import Splits, first_input
+from ddp_template.data.contract import MapData, Splits, first_input
 from ddp_template.data.identity import DataIdentity, identify
 from ddp_template.data.loader import build_eval_loader
 from ddp_template.data.transforms import apply_transforms
@@ -164,7 +164,7 @@ def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Bui
     evaluation = build_evaluation(
         final=str(cfg.eval_split),
         splits=splits,
-        loader=lambda dataset: build_eval_loader(dataset, cfg.loader, info),
+        loader=lambda dataset: build_eval_loader(cast(MapData, dataset), cfg.loader, info),
         model=model,
         ema=switches.get("ema"),
         info=info,
@@ -243,6 +243,7 @@ def rescale_horizon(cfg: Config, built: Built, state: TrainState) -> None:
     tr = built.trainer
     rest = built.kind.steps(cfg, tr.sampler, steps_before=state.steps_before)
     left = rest.steps_per_epoch - rest.steps_done(state.position)
+    assert tr.schedule is not None  # build's
     later = max(0, cfg.epochs - state.epoch - 1) * tr.schedule.steps_per_epoch
     set_horizon(tr.scheduler, state.step + left + later)
 

@@ -25,7 +25,7 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -51,9 +51,9 @@ class Stateful(Protocol):
     saved state it cannot take; a part that can start without one has ``start_fresh() -> str``
     (what it did, for the log)."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> Mapping[str, Any]: ...  # a dict, or a TypedDict (SavedLedger)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: Any) -> None: ...  # what its state_dict returned
 
 
 def save_atomic(payload: dict[str, Any], path: Path) -> None:

@@ -28,6 +28,7 @@ class Progress:
 
     def state_dict(self) -> dict[str, Any]:
         s, schedule = self.state, self.trainer.schedule
+        assert schedule is not None  # set by the build before a checkpoint
         done = schedule.steps_done(s.position)
         return {
             "epoch": s.epoch,
@@ -59,6 +60,7 @@ class Progress:
             s.prior = [*saved["prior"], prefix]
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
+        assert self.trainer.schedule is not None  # set by the build before a resume
         k, mine = saved["accumulate"], self.trainer.schedule.accumulate
         if k != mine:
             raise Misfit(

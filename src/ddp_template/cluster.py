@@ -184,7 +184,7 @@ def _host_hint(env: Env, launcher: str, several_nodes: bool) -> str | None:
     runs no ranks when more pairs follow)."""
     if launcher == "lsf" and several_nodes:
         hosts = env.get("LSB_MCPU_HOSTS", "").split()[0::2]
-        return hosts[1] if len(hosts) > 1 else (hosts or [None])[0]
+        return hosts[1] if len(hosts) > 1 else next(iter(hosts), None)
     name = next((v for v in _NODELISTS if env.get(v)), None) if launcher == "slurm" else None
     if name is None:
         return None

@@ -205,9 +205,18 @@ def setup(cfg: BackendConfig) -> DistInfo:
     launcher = os.environ.get(LAUNCHER_VAR, "none")
     if not launched_by_torchrun():
         choice = choose_backend(cfg.name, 1)
-        single = dict(rank=0, local_rank=0, world_size=1, local_world_size=1, backend=None)
         device = choose_device(choice.name, 0)
-        return DistInfo(**single, device=device, host=host, launcher=launcher, why=choice.why)
+        return DistInfo(
+            rank=0,
+            local_rank=0,
+            world_size=1,
+            local_world_size=1,
+            backend=None,
+            device=device,
+            host=host,
+            launcher=launcher,
+            why=choice.why,
+        )
     ranks = cluster.detect()  # torchrun's variables, set by torchrun or by adopt_launcher
     local_world, local_rank_given = node_ranks(1)
     choice = choose_backend(cfg.name, local_world, local_rank_given=local_rank_given)

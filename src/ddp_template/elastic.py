@@ -163,9 +163,8 @@ def record_segment(run_dir: Path, *, cfg: Config, state: Any, world_size: int) -
         "accumulate": cfg.optim.accumulate,
         "prior": [{k: v for k, v in p.items() if k != "ledgers"} for p in state.prior],
     }
-    if kept and all(kept[-1][k] == segment[k] for k in _LAYOUT):
-        segment = None
-    rows = kept + ([segment] if segment else [])
+    same = bool(kept) and all(kept[-1][k] == segment[k] for k in _LAYOUT)
+    rows = kept + ([] if same else [segment])
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(rows, indent=1) + "\n")
     os.replace(tmp, path)

@@ -55,6 +55,7 @@ class PlannedFeed:
     """A planned epoch's: every rank's micro-batches are dealt by the schedule."""
 
     def micro_batches(self, tr: Trainer, position: int) -> Iterator[tuple[tuple, float, bool]]:
+        assert tr.schedule is not None  # set by the build before any epoch
         return micro_batches(tr.loader, tr.schedule, position, tr.info.rank)
 
     def tail(self, tr: Trainer, state: TrainState, on_step: StepHook) -> AbstractContextManager:
@@ -210,6 +211,7 @@ def micro_batches(
 
 def steps_this_epoch(tr: Trainer, state: TrainState) -> int:
     """Optimizer steps the coming epoch will run from ``state.position`` (after any cap)."""
+    assert tr.schedule is not None  # set by the build before any epoch
     return tr.schedule.steps_per_epoch - tr.schedule.steps_done(state.position)
 
 
@@ -266,10 +268,12 @@ def train_one_epoch(
                 stats.spiked += tr.spikes.own
             norm = _optimizer_step(tr, want_norm, skip)
             _commit(stats.tally, state.held)
+            assert tr.schedule is not None
             state.position = tr.schedule.next_boundary(state.position)  # the same on every rank
             state.step += 1
             stats.steps += 1
             if want_norm:
+                assert norm is not None  # _optimizer_step's norm when wanted
                 now = time.perf_counter()
                 row = {
                     "train/lr": tr.scheduler.get_last_lr()[0],

@@ -139,13 +139,16 @@ class Evaluation:
     def latest(self) -> EvalResult:
         """The split evaluated each epoch, as last evaluated (the sweep's objective); the final
         split's after ``at_end`` when no epoch was evaluated."""
-        return self.last if self.last is not None else self.final_result
+        result = self.last if self.last is not None else self.final_result
+        if result is None:
+            raise RuntimeError("Evaluation.latest() before any evaluation (no epoch's, no at_end)")
+        return result
 
     def at_end(self, epoch: int, step: int, logger: Any) -> EvalResult:
         """The final split's result: the last epoch's when it is that split, else evaluated now
         (epochs=0, a finished run resumed, a val split each epoch, eval_split=train)."""
         same = self.last is not None and self.final.name == self.each_epoch.name
-        result = self.last if same else self._run(self.model, self.final)
+        result = self.last if same and self.last is not None else self._run(self.model, self.final)
         if self.final.name == TEST and self.each_epoch.name != TEST:
             logger.log_eval(result, epoch, step, PREFIXES[TEST])
         result.split = self.final.name

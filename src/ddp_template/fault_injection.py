@@ -68,7 +68,7 @@ def arm(fault: FaultConfig, trainer: Any, state: Any) -> None:
         return
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    def hook(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+    def hook(process_group, bucket):  # unannotated: DDP checks a hook's annotations
         future = allreduce_hook(process_group, bucket)
         if _due(fault, state.step + 1, trainer.info.rank):
             _strike(fault, state.step + 1, trainer.info.rank)

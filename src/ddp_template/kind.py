@@ -16,12 +16,12 @@ The kinds beside this one live in folders of their own that the core never impor
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, cast
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ddp_template.config.schema import Config, LoaderConfig, SamplerConfig
-from ddp_template.data.contract import Splits
+from ddp_template.data.contract import MapData, Splits
 from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.data.loader import build_train_loader, build_train_sampler
 from ddp_template.distributed import DistInfo
@@ -90,7 +90,7 @@ class Planned:
                 f"with no data kind to read it; return Splits(train, test, info, "
                 f'kind=ddp_template.optional.streams.kind.Streamed()) (README "Streams").'
             )
-        if len(splits.train) == 0:
+        if len(cast(MapData, splits.train)) == 0:  # not an IterableDataset: map-style
             raise ConfigError("the training set is empty; check data.path / data.size.")
 
     def check(self, cfg: Config, splits: Splits) -> None:
@@ -111,7 +111,7 @@ class Planned:
         info: DistInfo,
         loader: LoaderConfig,
     ) -> Any:
-        return build_train_sampler(dataset, cfg, seed=seed, info=info)
+        return build_train_sampler(cast(MapData, dataset), cfg, seed=seed, info=info)
 
     def loader(
         self,
@@ -123,7 +123,8 @@ class Planned:
         drop_last: bool,
         info: DistInfo,
     ) -> DataLoader:
-        return build_train_loader(dataset, sampler, cfg, seed=seed, drop_last=drop_last, info=info)
+        data = cast(MapData, dataset)  # accept() refused an IterableDataset
+        return build_train_loader(data, sampler, cfg, seed=seed, drop_last=drop_last, info=info)
 
     def steps(self, cfg: Config, sampler: Any, *, steps_before: int = 0) -> EpochSteps:
         return EpochSteps.of_sampler(cfg, sampler, steps_before=steps_before)

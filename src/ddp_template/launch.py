@@ -166,11 +166,12 @@ def _agent_keeping(exits: _Exits) -> Iterator[None]:
                 exits.codes = _exit_codes(self, worker_group)
             return result
 
-    launcher_api.LocalElasticAgent = Agent  # launch_agent builds its agent by this name
+    # launch_agent builds its agent by this name (a patch of torch's module: no type of its own)
+    launcher_api.LocalElasticAgent = Agent  # type: ignore[misc]
     try:
         yield
     finally:
-        launcher_api.LocalElasticAgent = base
+        launcher_api.LocalElasticAgent = base  # type: ignore[misc]  # put back, as above
 
 
 def _exit_codes(agent: Any, worker_group: Any) -> dict[int, int]:

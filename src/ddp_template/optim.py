@@ -37,7 +37,8 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer
     groups = _param_groups(model, cfg.weight_decay)
     kernel = fused(cfg, model)
     if cfg.name == OptimName.adamw:
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=kernel)
+        beta1, beta2 = cfg.betas
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(beta1, beta2), fused=kernel)
     nesterov = cfg.nesterov and cfg.momentum > 0
     return torch.optim.SGD(
         groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=nesterov, fused=kernel
@@ -74,4 +75,5 @@ def build_scheduler(
 def set_horizon(scheduler: torch.optim.lr_scheduler.LambdaLR, total_steps: int) -> None:
     """Re-derive the schedule for a run that now ends at ``total_steps``."""
     for factor in scheduler.lr_lambdas:
+        assert isinstance(factor, WarmupCosine)  # build_scheduler's
         factor.total_steps = total_steps

@@ -136,6 +136,7 @@ def build_ddp(cfg: DDPConfig, module: nn.Module, info: DistInfo) -> nn.Module:
     # rank here, so the init-time sync it keeps changes nothing).
     renamed = "forward_sync_buffers" in inspect.signature(DDP).parameters
     buffers = "forward_sync_buffers" if renamed else "broadcast_buffers"
+    by_version: dict[str, Any] = {buffers: cfg.broadcast_buffers}  # one name or the other
     return DDP(
         module,
         device_ids=[info.local_rank] if info.device.type == "cuda" else None,
@@ -143,7 +144,7 @@ def build_ddp(cfg: DDPConfig, module: nn.Module, info: DistInfo) -> nn.Module:
         static_graph=cfg.static_graph,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         bucket_cap_mb=cfg.bucket_cap_mb,
-        **{buffers: cfg.broadcast_buffers},
+        **by_version,
     )
 
 
@@ -170,7 +171,9 @@ def settle_buckets(ddp: DDP | None, x: Any) -> None:
 
 def compile_model(model: nn.Module) -> nn.Module:
     """``torch.compile`` (Inductor) of what trains; ``Trainer.module`` still unwraps it."""
-    return torch.compile(model)
+    compiled = torch.compile(model)
+    assert isinstance(compiled, nn.Module)  # torch.compile of a module: an OptimizedModule
+    return compiled
 
 
 def check_compile(device_type: str) -> None:

@@ -44,9 +44,11 @@ class Preemption:
     def __init__(self, *, info: DistInfo, every: int, run_id: str) -> None:
         self.info, self.every, self.run_id = info, max(1, every), run_id
         # A CPU-side gloo group even under nccl: reading the flag then never syncs the GPU.
-        self.group = None
+        self.group: dist.ProcessGroup | None = None
         if info.backend == "nccl":
-            self.group = dist.new_group(backend="gloo")
+            group = dist.new_group(backend="gloo")
+            assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+            self.group = group
         self.flag = torch.zeros(1, dtype=torch.int32)
         self.agreed = 0  # the flag every rank agreed on at the last check
         self._interrupted_at: float | None = None

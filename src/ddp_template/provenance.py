@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
@@ -149,6 +150,7 @@ class Chain:
             "ledger": (ledger_digest(prev["ledger"] if prev else "", payload), "its ledgers"),
             "prev": (prev["hash"] if prev else "", "the link before it"),
         }
+        fields: Mapping[str, Any] = last  # its fields by name
         differ = [f for f in FIELDS if last.get(f) != truth[f][0]]
         if link_hash(last) != last.get("hash"):
             named = differ[0] if differ else "hash"
@@ -164,11 +166,11 @@ class Chain:
             if name not in CHANGES:
                 raise ConfigError(
                     f"checkpoint {path}: its provenance link {k} has {name} "
-                    f"{_show(last[name])} but {truth[name][1]} says {_show(truth[name][0])}: "
+                    f"{_show(fields[name])} but {truth[name][1]} says {_show(truth[name][0])}: "
                     f"the checkpoint is inconsistent; resume from another checkpoint, or start "
                     f"fresh with resume=never."
                 )
-            self.breaks.append(self._change(path, name, last[name], truth[name][0]))
+            self.breaks.append(self._change(path, name, fields[name], truth[name][0]))
         for i in range(k):  # the links before it, whose hashes the next ones name
             _intact(path, chain, i)
         if last["world_size"] != world_size:

@@ -31,11 +31,11 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.utils.data import Dataset, default_collate
 
@@ -43,7 +43,7 @@ from ddp_template.checkpoint import load as load_checkpoint
 from ddp_template.checkpoint import whole
 from ddp_template.config import boundary
 from ddp_template.config.schema import Config
-from ddp_template.data.contract import Splits
+from ddp_template.data.contract import MapData, Splits
 from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShareSampler
@@ -127,7 +127,7 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
     segments = read_segments(run_dir)
     world = _world_size(run_dir, world_size, segments)
     splits = build_splits(cfg.data)
-    train = splits.train
+    train = cast(MapData, splits.train)  # replay: planned data
     rule = SAMPLER_MODES[str(cfg.sampler.mode)]
     schedule = EpochSteps.of_run(
         cfg,
@@ -202,6 +202,7 @@ def _config(run_dir: Path) -> Config:
             f"{path} does not fit this template's config schema ({first}); replay the run "
             f"with the template version that wrote it."
         ) from None
+    assert isinstance(merged, DictConfig)  # a structured Config merged: a DictConfig
     return boundary.typed(merged)
 
 
@@ -266,7 +267,7 @@ def step_rows(run: Run, step: int) -> list[dict[str, Any]]:
     for rank in range(piece.world_size):
         positions = np.arange(start, stop, dtype=np.int64)[: schedule.held(rank, start, stop)]
         indices = sampler.index_at(positions, rank)  # `exact`: a shorter list may end here
-        row = {"step": step, "rank": rank, "epoch": piece.epoch, "position": start}
+        row: dict[str, Any] = {"step": step, "rank": rank, "epoch": piece.epoch, "position": start}
         row["world_size"] = piece.world_size
         row["indices"] = indices.tolist()
         if hasattr(run.train, "key_of"):  # sharded data: each sample's __key__ too
@@ -277,7 +278,7 @@ def step_rows(run: Run, step: int) -> list[dict[str, Any]]:
 
 def index_hits(run: Run, index: int) -> list[dict[str, int]]:
     """Every (epoch, step, rank, position) at which dataset index ``index`` was trained on."""
-    n = len(run.train)
+    n = len(cast(MapData, run.train))
     if not 0 <= index < n:
         raise ConfigError(f"--index {index} is outside the training set [0, {n}); pass 0..{n - 1}.")
     sampler = run.sampler(0)
@@ -325,7 +326,7 @@ def step_losses(run: Run, rows: list[dict[str, Any]], checkpoint: Path) -> str:
     splits.set_epoch(first["epoch"])
     model = build_model(cfg.model, splits.info)
     try:
-        weights_part(model).load_state_dict(whole(checkpoint, payload, "model"))
+        weights_part(model).load_state_dict(whole(checkpoint, payload, "model") or {})
     except Misfit as exc:
         raise ConfigError(f"--losses {checkpoint}: {exc}") from None
     task = build_task(cfg.task)

@@ -19,7 +19,8 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
 
 class RngState:
     def state_dict(self) -> dict[str, Any]:
-        np_state = np.random.get_state()
+        np_state = np.random.get_state(legacy=True)  # the default, said: the tuple
+        assert isinstance(np_state, tuple)  # (a dict only for a bit generator not MT19937)
         py_version, py_state, _ = random.getstate()
         state = {
             "torch": torch.get_rng_state().numpy().tobytes(),

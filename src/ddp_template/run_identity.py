@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,7 @@ def config_groups(conf_dir: str) -> str:
 
 def register_resolvers() -> None:
     """Resolvers used by conf/config.yaml's ``hydra:`` section; call before ``@hydra.main``."""
-    resolvers = {
+    resolvers: dict[str, Callable[..., str | None]] = {
         "run_id": run_id,
         "config_groups": config_groups,
         # Only rank 0 writes .hydra/ and train.log; other ranks of a torchrun job log to

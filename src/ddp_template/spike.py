@@ -185,7 +185,9 @@ class Spikes:
         loss = total / count if count else 0.0
         finite = math.isfinite(loss)
         judged = len(self.recent) >= self.cfg.after
-        fired = count > 0 and (not finite or (judged and loss > self.cfg.factor * self.median))
+        factor = self.cfg.factor
+        assert factor is not None  # build_spikes builds none with spike.factor=null
+        fired = count > 0 and (not finite or (judged and loss > factor * self.median))
         agreed = fired
         if self.together:  # one verdict for the step, on every rank
             votes = torch.tensor([float(fired)], device=self.info.device)
@@ -231,7 +233,7 @@ class Spikes:
             rank=self.info.rank,
             loss=loss,
             median=self.median,
-            factor=float(self.cfg.factor),
+            factor=float(self.cfg.factor or math.nan),  # never None here: judge fired
             fired=fired,
             skipped=self.cfg.skip,
             samples=tuple(samples),

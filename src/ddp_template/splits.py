@@ -3,11 +3,11 @@ kind, and the validation split carved from the training data (``data.val_fractio
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from ddp_template.data.contract import IndexedSubset, Splits
+from ddp_template.data.contract import IndexedSubset, MapData, Splits
 from ddp_template.errors import ConfigError, instantiate_clean
 from ddp_template.kind import kind_of
 
@@ -18,6 +18,7 @@ def build_splits(data_cfg: Any) -> Splits:
     from omegaconf import OmegaConf
 
     resolved = OmegaConf.to_container(data_cfg, resolve=True)
+    assert isinstance(resolved, dict)  # the data group: a mapping
     val_fraction = float(resolved.pop("val_fraction", 0.0))
     splits = instantiate_clean(OmegaConf.create(resolved))
     target = data_cfg.get("_target_")
@@ -35,7 +36,7 @@ def build_splits(data_cfg: Any) -> Splits:
 def carve_val(splits: Splits, fraction: float) -> Splits:
     """The first ``round(N * fraction)`` of a permutation seeded with 0 (not the run's seed, so
     a seed sweep validates on one set) become the validation split, the rest train."""
-    n = len(splits.train)
+    n = len(cast(MapData, splits.train))  # map-style: accept() refused a stream
     n_val = round(n * fraction)
     if not 1 <= n_val < n:
         raise ConfigError(

@@ -91,7 +91,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     """Training-mode BN with statistics and input-gradient sums all-reduced over a group."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: FunctionCtx,
         input: Tensor,
         weight: Tensor | None,
@@ -112,7 +112,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             y = y * _per_channel(weight.to(x.dtype), x)
         if bias is not None:
             y = y + _per_channel(bias.to(x.dtype), x)
-        ctx.save_for_backward(input, weight, mean, invstd)
+        # torch's stub says Tensor; save_for_backward documents None as allowed
+        ctx.save_for_backward(input, weight, mean, invstd)  # type: ignore[arg-type]
         ctx.group, ctx.total = group, total  # type: ignore[attr-defined]
         return y.to(input.dtype)
 

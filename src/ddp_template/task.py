@@ -69,7 +69,7 @@ class Task:
 
     def metric_directions(self) -> dict[str, Direction]:
         """Every metric this task reports and the direction it improves in."""
-        extra = {
+        extra: dict[str, Direction] = {
             name: ("max" if getattr(m, "higher_is_better", True) else "min")
             for name, m in self.extra.items()
         }

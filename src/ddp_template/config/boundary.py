@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import fields, is_dataclass
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -45,7 +45,7 @@ def _refuse_unknown(node: DictConfig, schema: Any, prefix: str) -> None:
     for key in node:
         if key not in declared:
             raise ConfigError(
-                f"{prefix}{key}={node[key]} is not a key of the config (no schema declares it); "
+                f"{prefix}{key!s}={node[key]} is not a key of the config (no schema declares it); "
                 f"check its spelling against `python train.py --cfg job`, or drop it."
             )
         child = node[key]
@@ -70,7 +70,7 @@ def _refuse_unknown_arguments(node: DictConfig, group: str) -> None:
     for key in node:
         if not str(key).startswith("_") and key not in params and key not in own:
             raise ConfigError(
-                f"{group}.{key}={node[key]} is not an argument of {group}._target_={target}; "
+                f"{group}.{key!s}={node[key]} is not an argument of {group}._target_={target}; "
                 f"check its spelling against `python train.py --cfg job`, or drop it."
             )
 
@@ -83,4 +83,5 @@ def experiment_spelling(argv: list[str]) -> list[str]:
 
 def plain(cfg: Config) -> dict[str, Any]:
     """The typed config as plain, resolved containers (W&B's config, the checkpoint's YAML)."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+    plain = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+    return cast("dict[str, Any]", plain)  # a structured config: a dict keyed by str

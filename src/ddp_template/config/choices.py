@@ -104,7 +104,7 @@ class Uneven(Choice):
     all of its data under torch's ``Join``."""
 
     stop = "stop"
-    join = "join"
+    join = "join"  # type: ignore[assignment]  # a member named join shadows str.join: the YAML value
 
 
 class MonitorMode(Choice):

@@ -133,7 +133,7 @@ def _check_image_shape(image_shape: list[int] | None) -> tuple[int, int, int] | 
             f"data.image_shape={list(shape)} must be [C, H, W] with H == W (the model contract "
             f"is square images), e.g. data.image_shape=[1,8,8]; or null for flat features."
         )
-    return shape  # type: ignore[return-value]
+    return shape
 
 
 def _to_images(

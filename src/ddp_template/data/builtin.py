@@ -43,7 +43,11 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """``load_digits()``'s images (1797, 8, 8) and targets, read from the CSV that scikit-learn
     ships, without importing scikit-learn: its import costs every rank about 2 s of CPU."""
     spec = importlib.util.find_spec("sklearn")
-    csv = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec else None
+    csv = (
+        Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+        if spec and spec.origin
+        else None
+    )
     if csv is None or not csv.is_file():  # another layout: scikit-learn's own reader
         from sklearn.datasets import load_digits
 
@@ -83,7 +87,7 @@ def _diabetes_arrays() -> tuple[np.ndarray, np.ndarray]:
     """``load_diabetes(scaled=False)``'s features (442, 10) and target, read from the files
     scikit-learn ships (without importing scikit-learn, as ``_digits_arrays``)."""
     spec = importlib.util.find_spec("sklearn")
-    folder = Path(spec.origin).parent / "datasets" / "data" if spec else None
+    folder = Path(spec.origin).parent / "datasets" / "data" if spec and spec.origin else None
     names = ("diabetes_data_raw.csv.gz", "diabetes_target.csv.gz")
     files = [folder / name for name in names] if folder else []
     if not files or not all(f.is_file() for f in files):  # another layout: scikit-learn's reader
@@ -152,7 +156,7 @@ def synthetic(
     ):
         if value < 1:
             raise ConfigError(f"data.{key}={value} must be at least 1.")
-    common = dict(
+    common: dict[str, Any] = dict(
         channels=channels, image_size=image_size, num_classes=num_classes, noise=noise, seed=seed
     )
     train = SyntheticImages(size=size, split=0, **common)

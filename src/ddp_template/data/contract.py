@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -37,6 +37,16 @@ class DataInfo:
         """The sizes the data set, by name (``extra``'s too)."""
         named = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
         return {**{k: v for k, v in named.items() if v}, **self.extra}
+
+
+class MapData(Protocol):
+    """A map-style dataset as the samplers and loaders read it: its length and item ``i``
+    (``(x, y, i)``). torch's ``Dataset`` declares no ``__len__`` (an ``IterableDataset`` is one
+    too), so code that reads map-style data says so with this type."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> Any: ...
 
 
 @dataclass
@@ -109,7 +119,7 @@ class BatchFetch(Dataset):
     and any other dataset is read one ``__getitem__`` per sample as usual. The dataset itself
     keeps torch's plain protocol: a DataLoader of your own with the default collate works."""
 
-    def __init__(self, dataset: Dataset) -> None:
+    def __init__(self, dataset: MapData) -> None:
         self.dataset = dataset
         self._batched = getattr(dataset, "get_batch", None)
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.data import IterableDataset
 
-from ddp_template.data.contract import IndexedSubset, IndexedTensors, Splits
+from ddp_template.data.contract import IndexedSubset, IndexedTensors, MapData, Splits
 
 PROBES = 64  # samples hashed of a dataset that has no fingerprint of its own
 FILE_WHOLE = 64 << 20  # files up to this size are hashed whole; larger ones by blocks
@@ -105,5 +105,5 @@ def identify(splits: Splits) -> DataIdentity:
             prints.append(value)
             hows.append(how)
     train = splits.train
-    length = -1 if isinstance(train, IterableDataset) else len(train)
+    length = -1 if isinstance(train, IterableDataset) else len(cast(MapData, train))
     return DataIdentity(length=length, fingerprint=array_fingerprint(prints), how=hows[0])

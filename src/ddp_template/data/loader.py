@@ -13,7 +13,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_template.config.schema import LoaderConfig, SamplerConfig
-from ddp_template.data.contract import BatchFetch
+from ddp_template.data.contract import BatchFetch, MapData
 from ddp_template.data.eval_sampler import EvalShareSampler
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShareSampler
@@ -23,7 +23,7 @@ from ddp_template.errors import ConfigError
 
 
 def build_train_sampler(
-    dataset: Dataset, cfg: SamplerConfig, *, seed: int, info: DistInfo
+    dataset: MapData, cfg: SamplerConfig, *, seed: int, info: DistInfo
 ) -> ShareSampler:
     """The ``sampler`` group's builder; the run's ``seed`` unless ``sampler.seed`` is set."""
     check_world(dataset, cfg, info)
@@ -38,7 +38,7 @@ def build_train_sampler(
     )
 
 
-def check_world(dataset: Dataset, cfg: SamplerConfig, info: DistInfo) -> None:
+def check_world(dataset: MapData, cfg: SamplerConfig, info: DistInfo) -> None:
     """A mode that drops the tail leaves every rank empty when there are more ranks than
     samples: refused in one sentence."""
     if SAMPLER_MODES[str(cfg.mode)].drops_tail and info.world_size > len(dataset):
@@ -50,7 +50,7 @@ def check_world(dataset: Dataset, cfg: SamplerConfig, info: DistInfo) -> None:
 
 
 def build_train_loader(
-    dataset: Dataset,
+    dataset: MapData,
     sampler: ShareSampler,
     cfg: LoaderConfig,
     *,
@@ -80,7 +80,7 @@ def training_loader(
     )
 
 
-def build_eval_loader(dataset: Dataset, cfg: LoaderConfig, info: DistInfo) -> DataLoader:
+def build_eval_loader(dataset: MapData, cfg: LoaderConfig, info: DistInfo) -> DataLoader:
     """Contiguous, unpadded shards: no sample is evaluated twice."""
     sampler = EvalShareSampler(dataset, num_replicas=info.world_size, rank=info.rank)
     return DataLoader(

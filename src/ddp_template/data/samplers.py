@@ -100,7 +100,15 @@ class ShareSampler(DistributedSampler[int]):
                 "set shuffle=False (or pick mode 'padded' or 'drop_last')."
             )
         num_replicas, rank = resolve_world(num_replicas, rank)
-        super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last=rule.drops_tail)
+        # torch's stub asks a Dataset; DistributedSampler only takes len() of it (a Sized)
+        super().__init__(
+            dataset,  # type: ignore[arg-type]
+            num_replicas,
+            rank,
+            shuffle,
+            seed,
+            drop_last=rule.drops_tail,
+        )
         self.rule, self.mode = rule, mode
         self.base_size = self.dataset_size = len(dataset)
         if permutation == "auto":

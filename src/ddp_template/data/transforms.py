@@ -10,14 +10,14 @@ bit-identical weights, and sample ``i`` at epoch ``e`` is the same tensor on any
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from ddp_template.config.schema import TransformsConfig
-from ddp_template.data.contract import Splits
+from ddp_template.data.contract import MapData, Splits
 from ddp_template.errors import ConfigError
 from ddp_template.splitmix import splitmix64
 
@@ -32,7 +32,7 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 class Augmented(Dataset):
     """An ``(x, y, index)`` dataset whose inputs pass through a random transform."""
 
-    def __init__(self, base: Dataset, transform: Any, seed: int, for_eval: Dataset) -> None:
+    def __init__(self, base: MapData, transform: Any, seed: int, for_eval: Dataset) -> None:
         self.base, self.transform, self.seed = base, transform, seed
         self.for_eval = for_eval  # the same samples without augmentation (eval_split=train)
         # Shared memory: persistent loader workers hold a copy of this dataset, and set_epoch
@@ -59,7 +59,7 @@ class Augmented(Dataset):
 class Mapped(Dataset):
     """An ``(x, y, index)`` dataset whose inputs pass through a deterministic transform."""
 
-    def __init__(self, base: Dataset, transform: Any) -> None:
+    def __init__(self, base: MapData, transform: Any) -> None:
         self.base, self.transform = base, transform
 
     def __len__(self) -> int:
@@ -70,7 +70,9 @@ class Mapped(Dataset):
         return self.transform(x), y, index
 
 
-def pipelines(cfg: TransformsConfig, image_size: int, channels: int) -> tuple[Any, Any]:
+def pipelines(
+    cfg: TransformsConfig, image_size: int | None, channels: int | None
+) -> tuple[Any, Any]:
     """(training transform, evaluation transform); None where nothing is applied."""
     name, normalize = str(cfg.name), cfg.mean is not None and cfg.std is not None
     if name == "none" and not normalize:
@@ -78,7 +80,7 @@ def pipelines(cfg: TransformsConfig, image_size: int, channels: int) -> tuple[An
     from torchvision.transforms import v2
 
     norm = []
-    if normalize:
+    if cfg.mean is not None and cfg.std is not None:  # normalize
         if not len(cfg.mean) == len(cfg.std) == channels:
             raise ConfigError(
                 f"transforms.mean={list(cfg.mean)} and transforms.std={list(cfg.std)} need one "
@@ -90,6 +92,7 @@ def pipelines(cfg: TransformsConfig, image_size: int, channels: int) -> tuple[An
         train = [v2.RandomCrop(image_size, padding=cfg.padding), v2.RandomHorizontalFlip()]
         test: list[Any] = []
     elif name == "imagenet":
+        assert cfg.scale is not None  # TransformsConfig's check: imagenet needs a scale
         scale = (float(cfg.scale[0]), float(cfg.scale[1]))
         train = [v2.RandomResizedCrop(image_size, scale=scale), v2.RandomHorizontalFlip()]
         test = [v2.Resize(image_size), v2.CenterCrop(image_size)]
@@ -107,10 +110,11 @@ def apply_transforms(splits: Splits, cfg: TransformsConfig, seed: int) -> Splits
     if train_tf is None and test_tf is None:
         return splits  # transforms=none: the data exactly as its builder gives it
 
-    def mapped(ds: Dataset | None) -> Dataset | None:
-        return Mapped(ds, test_tf) if ds is not None and test_tf is not None else ds
+    def mapped(ds: Dataset) -> Dataset:  # transforms apply to map-style data: item i
+        return Mapped(cast(MapData, ds), test_tf) if test_tf is not None else ds
 
     train = splits.train
     if train_tf is not None:
-        train = Augmented(train, train_tf, seed, for_eval=mapped(train))
-    return Splits(train, mapped(splits.test), info, mapped(splits.val), splits.kind)
+        train = Augmented(cast(MapData, train), train_tf, seed, for_eval=mapped(train))
+    val = mapped(splits.val) if splits.val is not None else None
+    return Splits(train, mapped(splits.test), info, val, splits.kind)

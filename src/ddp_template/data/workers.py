@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from ddp_template.config.schema import LoaderConfig
 from ddp_template.data.contract import collate
@@ -72,7 +72,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _worker_start_method(dataset: Dataset) -> str:
+def _worker_start_method(dataset: object) -> str:
     """forkserver, not fork: a rank has gloo/NCCL, OpenMP and loader threads running, and
     forking a threaded process can deadlock the child inside ``fork()`` (seen here: an eval
     loader's worker hung at epoch 0 while the train loader's feeder threads ran)."""
@@ -93,7 +93,7 @@ def _worker_start_method(dataset: Dataset) -> str:
 _server_started = False  # by _worker_start_method, in this process
 
 
-def loader_kwargs(cfg: LoaderConfig, device: torch.device, dataset: Dataset) -> dict[str, Any]:
+def loader_kwargs(cfg: LoaderConfig, device: torch.device, dataset: object) -> dict[str, Any]:
     pin = cfg.pin_memory and device.type == "cuda"
     kwargs: dict[str, Any] = {
         "num_workers": cfg.num_workers,

@@ -26,9 +26,15 @@ are ints mod 2**64 until the report, which shows them as 16 hex digits. Readers:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, NotRequired, TypedDict
+from typing import TYPE_CHECKING, TypedDict
+
+if sys.version_info >= (3, 11):
+    from typing import NotRequired
+else:  # Python 3.10 (requires-python): typing has no NotRequired yet
+    from typing_extensions import NotRequired
 
 if TYPE_CHECKING:
     import numpy as np

@@ -14,9 +14,9 @@ fastest's.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from ddp_template.ledger.records import (
     RankRow,
     SavedLedger,
     Seen,
+    Tallied,
     Verdict,
     WorkerCheck,
     WorkerLine,
@@ -78,7 +79,7 @@ def verify_epoch(
     start: int,
     metrics: dict[str, float | str],
     info: DistInfo,
-    prior: list[PriorSegment] = (),
+    prior: Sequence[PriorSegment] = (),
 ) -> EpochReport | None:
     """Check this rank's epoch, gather every rank's row: the report on rank 0, None elsewhere.
 
@@ -126,7 +127,7 @@ def own_check(
 
 
 def old_ranks(
-    sampler: Any, prior: list[PriorSegment], rank: int
+    sampler: Any, prior: Sequence[PriorSegment], rank: int
 ) -> Iterator[tuple[int, Any, int, PriorSegment]]:
     """This epoch's prefixes read at other world sizes, as ``(segment, its sampler, old rank
     q, prefix)`` for the old ranks this rank checks: q mod W = ``rank``."""
@@ -136,11 +137,12 @@ def old_ranks(
             yield i, old, q, prefix
 
 
-def prior_checks(sampler: Any, prior: list[PriorSegment], *, rank: int) -> list[PriorCheck]:
+def prior_checks(sampler: Any, prior: Sequence[PriorSegment], *, rank: int) -> list[PriorCheck]:
     """The old ranks' ledgers of this epoch's prefixes against what their samplers defined:
     old rank q is checked by rank q mod W (O(prefix / W) per rank)."""
     checks = []
     for i, old, q, prefix in old_ranks(sampler, prior, rank):
+        assert prefix["ledgers"] is not None  # loaded with the ledger part before a check
         ledger = prefix["ledgers"][q]
         samples = int(ledger["samples"])
         count = min(samples, old.length_of(q))
@@ -161,7 +163,7 @@ def resumed_prefix(
     sampler: Any,
     position: int,
     carried: SavedLedger | None,
-    prior: list[PriorSegment],
+    prior: Sequence[PriorSegment],
     *,
     rank: int,
 ) -> tuple[int, int, list[str]]:
@@ -170,9 +172,11 @@ def resumed_prefix(
     q checked by rank q mod W) against the positions the sampler defines there. Returns the
     samples skipped and repeated (count differences) and each read whose count matches but
     whose fingerprint does not (other samples were read)."""
+    reads: list[tuple[Any, int, int, Tallied | SavedLedger | None]]
     reads = [(sampler, rank, position, carried)] if position else []
     reads += [
-        (old, q, p["position"], p["ledgers"][q]) for _, old, q, p in old_ranks(sampler, prior, rank)
+        (old, q, p["position"], cast("list[Tallied]", p["ledgers"])[q])  # loaded by now
+        for _, old, q, p in old_ranks(sampler, prior, rank)
     ]
     skipped = repeated = 0
     wrong = []
@@ -201,7 +205,9 @@ def epoch_report(
     observed: list[Seen] = list(rows)
     coverage = None
     if lists is not None:
-        observed = [{**row, "indices": idx} for row, idx in zip(rows, lists, strict=True)]
+        observed = [
+            cast(Seen, {**row, "indices": idx}) for row, idx in zip(rows, lists, strict=True)
+        ]
     elif all_match(rows):
         coverage = derived_coverage(sampler, [(row["start"], row["samples"]) for row in rows])
         coverage = with_prior_coverage(sampler, coverage, prior)

@@ -19,6 +19,7 @@ import resource
 import select
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Iterable, Mapping
@@ -145,7 +146,8 @@ def record_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
             for r, pid in quiet
         )
         log.error("rank %d's collective failed (%s): %s", rank, gone, note)
-        exc.add_note(note)
+        if sys.version_info >= (3, 11):  # add_note is 3.11's; on 3.10 the log line says it
+            exc.add_note(note)
         _write(path, {**record, "traceback": "".join(traceback.format_exception(exc))})
 
 

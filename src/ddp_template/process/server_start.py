@@ -25,7 +25,7 @@ import sys
 import threading
 import traceback
 from multiprocessing import connection, forkserver, resource_tracker, util
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeGuard
 
 from ddp_template.process.quick_exit import exit_now
 
@@ -40,9 +40,9 @@ def start(preload: list[str]) -> bool:
     if not _forkable(server):
         return False
     resource_tracker.ensure_running()  # before the pipe: the tracker must not hold its end
-    util._flush_std_streams()  # or the server and every rank write the buffered output again
+    util._flush_std_streams()  # type: ignore[attr-defined]  # private, not in typeshed; or the server and every rank write the buffered output again
     with socket.socket(socket.AF_UNIX) as listener:
-        address = connection.arbitrary_address("AF_UNIX")
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]  # private
         listener.bind(address)
         if not util.is_abstract_socket_namespace(address):
             os.chmod(address, 0o600)
@@ -60,7 +60,7 @@ def start(preload: list[str]) -> bool:
     return True
 
 
-def _forkable(server: Any) -> bool:
+def _forkable(server: Any) -> TypeGuard[Any]:  # True: not None
     return (
         server is not None
         and all(getattr(server, name, False) is None for name in _LAYOUT)  # none running yet

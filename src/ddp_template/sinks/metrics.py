@@ -209,7 +209,8 @@ class RankLogger:
             import wandb
 
             columns = list(rows[0])
-            table = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
+            header: list[str | int] = [*columns]  # W&B's stub: str | int names
+            table = wandb.Table(columns=header, data=[[r[c] for c in columns] for r in rows])
             self.wandb.log({key: table, "step": step})
 
     def log_image(self, key: str, path: Path) -> None:
@@ -295,7 +296,7 @@ class RankLogger:
         import wandb
 
         try:
-            self.wandb.alert(title=title, text=text, level=wandb.AlertLevel.WARN)
+            self.wandb.alert(title=title, text=text, level=wandb.AlertLevel.WARN)  # type: ignore[attr-defined]  # exported lazily
         except Exception as exc:  # W&B must never stop training
             log.warning("W&B alert %r failed (%s)", title, exc)
 

@@ -223,7 +223,9 @@ def _draw_counts(ax: Any, layout: ShareLayout, colors: list) -> None:
 def _coverage_note(layout: ShareLayout) -> str:
     """The numbers a binned plot hides: unique coverage, the most-read index, what was dropped."""
     n = layout.num_samples
-    reads = np.bincount(np.concatenate(layout.ranks), minlength=n) if layout.ranks else []
+    reads: np.ndarray | list[int] = (
+        np.bincount(np.concatenate(layout.ranks), minlength=n) if layout.ranks else []
+    )
     note = f"unique coverage {np.count_nonzero(reads) / n:.4%}  ·  max reads of one index "
     note += str(int(np.max(reads, initial=0)))
     dropped = layout.dropped()

@@ -138,7 +138,7 @@ def start_wandb(
 
     kwargs = _init_kwargs(cfg, layout, run, info, config)
     mode = "shared" if layout.name == WandbLayout.shared else str(cfg.mode)
-    attempts = [mode]
+    attempts: list[Any] = [mode]  # wandb.init's mode: one of its Literal strings
     if mode != "offline" and (layout.name != WandbLayout.shared or info.is_main):
         attempts.append("offline")  # a shared-mode worker alone offline would be a stray run
     error: Exception | None = None

@@ -34,6 +34,7 @@ class EMA:
         averaged = copy.deepcopy(model).eval().requires_grad_(False)
         self.module = mirror(averaged) if mirror is not None else averaged
         self.source = model  # what it averages (a checkpoint without an EMA restarts from it)
+        assert cfg.decay is not None  # the switch is on only with a decay (EmaConfig.on)
         self.decay = float(cfg.decay)
         self.every = cfg.every
         self.warmup = cfg.warmup
@@ -45,7 +46,7 @@ class EMA:
         """After optimizer step ``step`` (1-based); a collective when the model has buffers."""
         if step % self.every:
             return
-        mine = [p for p in self.module.parameters()]
+        mine: list[torch.Tensor] = [p for p in self.module.parameters()]
         theirs = [p.detach() for p in model.parameters()]
         if step <= self.warmup:
             torch._foreach_copy_(mine, theirs)

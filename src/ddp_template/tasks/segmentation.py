@@ -4,7 +4,7 @@ intersection and union, correct pixels), never from averaged per-rank or per-sam
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ def iou_sums(pred: Tensor, target: Tensor, num_classes: int) -> tuple[Tensor, Te
     return inter, area_pred + area_true - inter
 
 
-def mean_iou(inter: list[float], union: list[float]) -> tuple[float, list[float | None]]:
+def mean_iou(inter: Sequence[float], union: Sequence[float]) -> tuple[float, list[float | None]]:
     """The mean over classes with a non-zero union of I/U, and each class's IoU (None: no pixel
     of that class predicted or true)."""
     per_class = [i / u if u else None for i, u in zip(inter, union, strict=True)]

@@ -78,7 +78,7 @@ def load_model(ckpt: Path) -> tuple[nn.Module, DataInfo]:
         )
     model = build_model(cfg.model, info)
     try:
-        model.load_state_dict(_unwrapped(whole(ckpt, payload, "model")))
+        model.load_state_dict(_unwrapped(whole(ckpt, payload, "model") or {}))
     except RuntimeError as exc:
         raise ConfigError(
             f"checkpoint {ckpt} does not fit the model its run's config builds "

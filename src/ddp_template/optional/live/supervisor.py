@@ -84,7 +84,7 @@ class Supervisor:
         )
         self.live = dist.PrefixStore("live", self.store)
         self.nproc = cfg.dist.nproc
-        self.context = multiprocessing.get_context(str(cfg.dist.start_method))
+        self.context: Any = multiprocessing.get_context(str(cfg.dist.start_method))
         self.members: list[Member] = []
         self.waiting: list[Member] = []  # replacements not yet admitted
         self.done: list[Member] = []

@@ -141,6 +141,7 @@ class StepShadow(Joinable):
         if is_last_joiner:  # it ran every step itself
             return
         theirs = box[0]
+        assert theirs is not None  # rank src's state, broadcast
         if theirs["step"] != self.state.step:
             raise RuntimeError(
                 f"rank {rank} shadowed up to step {self.state.step} but rank {src} ended at "
@@ -171,7 +172,7 @@ def _on_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
-        out = type(obj)((k, _on_cpu(v)) for k, v in obj.items())
+        out: Any = type(obj)((k, _on_cpu(v)) for k, v in obj.items())  # an OrderedDict too
         if hasattr(obj, "_metadata"):  # a module's state_dict: its version numbers
             out._metadata = obj._metadata
         return out

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, replace
+from typing import cast
 
 from ddp_template.config.schema import Config
-from ddp_template.data.contract import Splits
+from ddp_template.data.contract import MapData, Splits
 from ddp_template.engine import EpochStats, Trainer, TrainState
 from ddp_template.errors import ConfigError
 from ddp_template.kind import Planned
@@ -44,7 +45,7 @@ class Windowed(Planned):
                 f"file (the writer's --val-fraction) and name it data.test, and drop "
                 f"data.val_fraction."
             )
-        if len(splits.train) == 0:
+        if len(cast(MapData, splits.train)) == 0:
             raise ConfigError(
                 f"data.train={self.name} holds {self.cut.tokens} tokens, fewer than one window "
                 f"of data.block_size + 1 = {self.cut.block_size + 1}; use a longer file or a "

@@ -19,10 +19,11 @@ import io
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
-from torch.utils.data import Dataset
 
+from ddp_template.data.contract import MapData
 from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
@@ -44,7 +45,7 @@ def encode(x: object, fmt: str) -> bytes:
     return buffer.getvalue()
 
 
-def write_split(dataset: Dataset, pattern: str, samples_per_shard: int, fmt: str) -> None:
+def write_split(dataset: MapData, pattern: str, samples_per_shard: int, fmt: str) -> None:
     """``dataset``'s samples in index order into shards ``pattern`` (``%06d``: the shard)."""
     import webdataset as wds
 
@@ -80,7 +81,8 @@ def write(source: str, out: Path, samples_per_shard: int, fmt: str, overrides: S
     splits = build_splits(compose_data(source, overrides))
     out.mkdir(parents=True, exist_ok=True)
     written = {}
-    for name, dataset in (("train", splits.train), ("test", splits.test)):
+    for name, split in (("train", splits.train), ("test", splits.test)):
+        dataset = cast(MapData, split)  # written in index order: map-style data
         count = -(-len(dataset) // samples_per_shard)
         write_split(dataset, str(out / f"{name}-%06d.tar"), samples_per_shard, fmt)
         brace = f"{{000000..{count - 1:06d}}}" if count > 1 else "000000"
