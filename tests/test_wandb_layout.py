@@ -125,11 +125,11 @@ def test_alerts_once_and_best_checkpoint_versions(
     logger.finish()
     wandb.teardown()  # as at process exit: W&B's service has written the whole file
     warnings = [r.getMessage() for r in caplog.records]
-    assert sum("SHARD MISMATCH in epoch" in m for m in warnings) == 2
+    assert sum("SHARE MISMATCH in epoch" in m for m in warnings) == 2
     assert sum("STRAGGLER in epoch" in m for m in warnings) == 2
     (wb,) = find_runs(tmp_path)
     assert [(a["title"], a["level"]) for a in wb.alerts] == [
-        ("SHARD MISMATCH", "WARN"),
+        ("SHARE MISMATCH", "WARN"),
         ("STRAGGLER", "WARN"),
     ]
     assert wb.alerts[1]["text"].startswith("epoch 1: rank 0's step time is 2.00x")

@@ -103,13 +103,13 @@ def test_duplicates_coverage_and_overlap(mode_run) -> None:
         "sequential": (1.0, 1, [0, 1]),
     }[mode]
     coverage, overlap, dups = expect
-    report = rows_with(runs[0], "shards/coverage")
+    report = rows_with(runs[0], "shares/coverage")
     assert len(report) == EPOCHS
     for row in report:
-        assert row["shards/coverage"] == pytest.approx(coverage)
-        assert row["shards/overlap"] == overlap
-        assert row["shards/verdict_ok"] == 1
-    assert not rows_with(runs[1], "shards/coverage")  # the report is rank 0's
+        assert row["shares/coverage"] == pytest.approx(coverage)
+        assert row["shares/overlap"] == overlap
+        assert row["shares/verdict_ok"] == 1
+    assert not rows_with(runs[1], "shares/coverage")  # the report is rank 0's
     for r, wb in enumerate(runs):
         assert {x["data/duplicates"] for x in rows_with(wb, "data/samples")} == {dups[r]}
 
@@ -234,7 +234,7 @@ def test_one_run_holds_every_rank(tmp_path: Path) -> None:
         fp = fingerprint(np.array(want[r]))
         assert row[f"data/fingerprint/rank{r}"] == mine["data/fingerprint"] == fp
         assert row[f"perf/step_s/rank{r}"] == mine["perf/step_s"]
-    (path,) = [x["shards/report.path"] for x in rows_with(wb, "shards/report.path")]
+    (path,) = [x["shares/report.path"] for x in rows_with(wb, "shares/report.path")]
     table = json.loads((wb.path.parent / "files" / path).read_text())
     rows = [dict(zip(table["columns"], values, strict=True)) for values in table["data"]]
     assert [(x["rank"], x["data/fingerprint"], x["matches"]) for x in rows] == [

@@ -305,8 +305,8 @@ class Config:
     log_every: int = 10  # steps between interval logs
     resume: str = "auto"  # auto | never | <path to a checkpoint>
     share_report_max_n: int = 10_000_000  # ranks keep their indices for a mismatch's report
-    # Rank 0 draws epoch 0's layout into <run_dir>/shares.png (and W&B's shards/layout):
-    # matplotlib in a background thread, about a second of CPU. Streams have no layout.
+    # Rank 0 draws epoch 0's shares into <run_dir>/shares.png (and W&B's shares/picture):
+    # matplotlib in a background thread, about a second of CPU. Streams have no picture.
     share_picture: bool = True
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
     # The split of the final evaluation (summary.json): test, val (data.val_fraction > 0) or

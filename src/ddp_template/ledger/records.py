@@ -18,7 +18,7 @@ are ints mod 2**64 until the report, which shows them as 16 hex digits. Readers:
 - ``StreamRow``: ``streams.verify.verify_stream`` (a stream's gathered row).
 - ``EpochReport`` (``RankLine``, ``WorkerLine``, ``PriorLine``, ``Coverage``, ``Verdict``):
   written by ``ledger.verify.epoch_report`` and ``streams.verify.key_report``; read by
-  ``sinks.metrics.RankLogger.log_share_report`` (the ``shards/*`` keys and tables, the warning,
+  ``sinks.metrics.RankLogger.log_share_report`` (the ``shares/*`` keys and tables, the warning,
   the alerts), ``sinks.console.report_lines`` (the console block), ``kind`` (``verify``)
   and whoever calls ``streams.audited.Audited.verdict``.
 """
@@ -174,7 +174,7 @@ class Coverage:
 
 @dataclass(frozen=True)
 class RankLine:
-    """One rank in the report (a row of the ``shards/report`` table)."""
+    """One rank in the report (a row of the ``shares/report`` table)."""
 
     rank: int
     samples: int
@@ -185,7 +185,7 @@ class RankLine:
 
 @dataclass(frozen=True)
 class WorkerLine:
-    """One (rank, loader worker) in the report (a row of the ``shards/workers`` table)."""
+    """One (rank, loader worker) in the report (a row of the ``shares/workers`` table)."""
 
     rank: int
     worker: int
@@ -197,7 +197,7 @@ class WorkerLine:
 
 @dataclass(frozen=True)
 class PriorLine:
-    """An old rank of a prefix in the report (a row of the ``shards/prior`` table)."""
+    """An old rank of a prefix in the report (a row of the ``shares/prior`` table)."""
 
     world_size: int
     rank: int

@@ -1,11 +1,11 @@
-"""Shard verification: every rank checks its own epoch; rank 0 combines a few numbers per rank.
+"""Share verification: every rank checks its own epoch; rank 0 combines a few numbers per rank.
 
 Each rank compares its tally's fingerprint with the fingerprint of exactly the positions its
 sampler mode defines from where the epoch started (O(N/W) work on every rank at once): the loader
 may drop a last batch or a run may cap its steps, but a rank must never reorder, skip or read
 another rank's data. Only a row per rank is gathered (O(W) bytes): counts, fingerprints and what
 each rank's sampler defines for the epoch. When every rank matches and the ranks agree on the
-definition, the exact coverage, overlap and repeats follow from the mode's layout in O(W); on a
+definition, the exact coverage, overlap and repeats follow from the mode's deal in O(W); on a
 mismatch, the index lists (kept up to ``share_report_max_n``) are gathered so that the report
 shows what the ranks really read. The report also carries the slowest rank's step time over the
 fastest's.
@@ -101,7 +101,7 @@ def verify_epoch(
 def own_check(
     stats: Any, sampler: Any, start: int, metrics: dict[str, float | str], *, rank: int
 ) -> RankRow:
-    """This rank's row of the gather: what it saw, the fingerprint its own shard defines for
+    """This rank's row of the gather: what it saw, the fingerprint its own share defines for
     that (O(samples) time, O(1) memory) and its sampler's definition of the epoch."""
     tally = stats.tally
     samples = tally.samples
@@ -220,7 +220,7 @@ def epoch_report(
         ]
         wrong = [
             f"rank {p.rank} of the {p.world_size}-rank launch saw indices that differ "
-            f"from its {sampler.mode} shard"
+            f"from its {sampler.mode} share"
             for p in old
             if not p.matches
         ]
@@ -375,7 +375,7 @@ def share_report(
         if expected[r] is None:
             problems.append(f"rank {r}'s sampler defines another {mode} epoch than the others")
         elif not ok:
-            problems.append(f"rank {r} saw indices that differ from its {mode} shard")
+            problems.append(f"rank {r} saw indices that differ from its {mode} share")
         ranks.append(
             RankLine(
                 rank=r,

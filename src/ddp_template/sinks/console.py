@@ -1,4 +1,4 @@
-"""The human-readable side of the logs: each rank's console and log file, the shard report's
+"""The human-readable side of the logs: each rank's console and log file, the share report's
 lines, the split sizes, and summary.json."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ DERIVED = " (derived from the deal: the rank was lost)"
 
 def report_lines(report: EpochReport, epoch: int) -> list[str]:
     lines = [
-        f"epoch {epoch} shards ({report.mode}, N={report.dataset_size}): verdict {report.verdict}"
+        f"epoch {epoch} shares ({report.mode}, N={report.dataset_size}): verdict {report.verdict}"
     ]
     repeated = "read twice" if report.mode == "stream" else "padded"  # a stream has no pads
     lines += [

@@ -219,10 +219,10 @@ class RankLogger:
             self.wandb.log({key: wandb.Image(str(path))})
 
     def finish_run(self, result: Any, splits: Any, steps: int, picture: Any) -> None:
-        """Rank 0: the shard picture to W&B, summary.json, and the closing lines."""
+        """Rank 0: the shares picture to W&B, summary.json, and the closing lines."""
         if picture is not None:
             picture.join()
-            self.log_image("shards/layout", self.run.run_dir / "shares.png")
+            self.log_image("shares/picture", self.run.run_dir / "shares.png")
         if not self.info.is_main:
             return
         path = write_summary(
@@ -247,8 +247,8 @@ class RankLogger:
         """Rank 0: the verdict, coverage and step-time spread as keys, a table and a console
         block; a warning when any rank saw data its sampler mode does not define."""
         summary = {
-            "shards/verdict_ok": int(report.verdict.ok),
-            "shards/total_samples": report.total_samples,
+            "shares/verdict_ok": int(report.verdict.ok),
+            "shares/total_samples": report.total_samples,
             "perf/step_s_max_over_min": report.step_s_max_over_min,
             "perf/slowest_rank": report.slowest_rank,
         }
@@ -260,24 +260,24 @@ class RankLogger:
             "unread": report.unread_samples,
             "replayed": report.replayed,
         }
-        summary |= {f"shards/{key}": n for key, n in counts.items() if n is not None}
+        summary |= {f"shares/{key}": n for key, n in counts.items() if n is not None}
         self.log(summary, step)
         rows = table_rows(report.ranks)
         if self._epoch_ranks is not None:  # one run: every rank's epoch numbers in its row
             rows = [{**row, **self._epoch_ranks[row["rank"]]} for row in rows]
-        self.log_table("shards/report", rows, step)
+        self.log_table("shares/report", rows, step)
         if report.workers:  # sharded data: every (rank, loader worker)
-            self.log_table("shards/workers", table_rows(report.workers), step)
+            self.log_table("shares/workers", table_rows(report.workers), step)
         if report.prior:  # resumed at another world size: the old ranks' prefix
-            self.log_table("shards/prior", table_rows(report.prior), step)
+            self.log_table("shares/prior", table_rows(report.prior), step)
         log.info("\n".join(report_lines(report, epoch)))
         if not report.verdict.ok:
             hint = report.hint or (
                 "a rank saw data its sampler mode does not define (wrong seed on one rank? "
                 "missing set_epoch? custom sampler?)"
             )
-            log.warning("SHARD MISMATCH in epoch %d: %s — %s", epoch, report.verdict, hint)
-            self._alert_once("SHARD MISMATCH", f"epoch {epoch}: {report.verdict}")
+            log.warning("SHARE MISMATCH in epoch %d: %s — %s", epoch, report.verdict, hint)
+            self._alert_once("SHARE MISMATCH", f"epoch {epoch}: {report.verdict}")
         ratio, limit = report.step_s_max_over_min, self.cfg.straggler_alert
         if limit is not None and ratio > limit:
             text = (

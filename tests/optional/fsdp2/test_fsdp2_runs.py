@@ -87,7 +87,7 @@ def weights(run_dir: Path, *keys: str) -> dict[str, torch.Tensor]:
 def verdicts(run_dir: Path) -> list[tuple[int, int]]:
     rows = jsonl(run_dir / "rank0" / "metrics.jsonl")
     return [
-        (r["shards/verdict_ok"], r["shards/total_samples"]) for r in rows if "shards/" in str(r)
+        (r["shares/verdict_ok"], r["shares/total_samples"]) for r in rows if "shares/" in str(r)
     ]
 
 
