@@ -4,7 +4,7 @@
     python train.py dist.nproc=2                      # two ranks, started in-process
     torchrun --standalone --nproc-per-node=2 train.py # two ranks under torchrun
 
-The recipe is the classic one — init the process group, shard the data with a distributed
+The recipe is the classic one — init the process group, deal the data with a distributed
 sampler, wrap the model in DDP, loop over epochs calling ``set_epoch`` — and each step is one
 builder from ``src/ddp_template`` named after the config group it reads. docs/ARCHITECTURE.md
 maps the modules.

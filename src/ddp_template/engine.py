@@ -232,7 +232,7 @@ def train_one_epoch(
     on_step: StepHook,
     on_interval: Callable[[dict[str, float], int], None],
 ) -> EpochStats:
-    """One pass over this rank's shard from ``state.position``; updates ``state`` in place."""
+    """One pass over this rank's share from ``state.position``; updates ``state`` in place."""
     tr.model.train()
     stats = EpochStats(new_tally(tr, state.position))
     state.tally = stats.tally

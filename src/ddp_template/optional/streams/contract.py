@@ -2,7 +2,7 @@
 streaming, a WebDataset pipeline, a generator) as the training split.
 
 A stream's items are ``(x, y, key)``: the key is an int index or a string (WebDataset's
-``__key__``, an ``id`` column), hashed into the fingerprints. The template does not shard a
+``__key__``, an ``id`` column), hashed into the fingerprints. The template does not split a
 stream (your stack does); it reads it as it comes, tags every item in the process that reads
 it with its key's hash and the loader worker's id (:class:`Tagged`), and audits what each
 (rank, worker) read (``streams.verify``). What the epoch should hold, when known, is

@@ -1,6 +1,6 @@
 """Uneven ends of a stream: every step, the ranks agree whether all still have data.
 
-A stream the template cannot plan may end on one rank before another (a shard count the
+A stream the template cannot plan may end on one rank before another (a file count the
 world size does not divide, a filter that drops more on one rank): a rank whose loader is
 exhausted would leave DDP's all-reduce waiting for it for good. So before each optimizer step
 every rank all-reduces one int (MIN of "I have this step's micro-batches"): all train the step
