@@ -16,10 +16,10 @@ from ddp_template.sinks.share_draw import coverage_bins
 from ddp_template.sinks.share_plot import (
     Shares,
     draw_shares,
-    shares_from_sampler,
     main,
-    save_shares_png,
     save_modes_png,
+    save_shares_png,
+    shares_from_sampler,
 )
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

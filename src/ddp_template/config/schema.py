@@ -37,8 +37,8 @@ from ddp_template.config.choices import (
     SystemMetrics,
     Tolerance,
     Uneven,
-    WandbLayout,
     WandbMode,
+    WandbRuns,
 )
 from ddp_template.config.loop import (
     DDPConfig,
@@ -158,7 +158,7 @@ class LoggerConfig:
     project: str = "ddp-template"
     entity: str | None = None
     tags: list[str] = field(default_factory=list)
-    layout: WandbLayout = WandbLayout.auto  # auto: per_rank up to per_rank_max ranks, else main
+    runs: WandbRuns = WandbRuns.auto  # auto: per_rank up to per_rank_max ranks, else main
     per_rank_max: int = 8
     system_metrics: SystemMetrics = SystemMetrics.node  # node: local rank 0 of each node
     log_checkpoints: LogCheckpoints = LogCheckpoints.none
@@ -168,7 +168,7 @@ class LoggerConfig:
         if self.per_rank_max < 1:
             raise ConfigError(
                 f"logger.per_rank_max={self.per_rank_max} must be >= 1 (ranks that get a W&B "
-                f"run each under logger.layout=auto); e.g. logger.per_rank_max=8."
+                f"run each under logger.runs=auto); e.g. logger.per_rank_max=8."
             )
         alert = self.straggler_alert
         if alert is not None and alert <= 1:

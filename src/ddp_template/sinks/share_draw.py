@@ -266,7 +266,7 @@ def _is_small(shares: Shares) -> bool:
 
 
 def draw_shares(ax: Any, shares: Shares, title: str | None = None) -> None:
-    """Draw one epoch's shares on `ax`: every slot for small N, a summary (fast at N=1e6) otherwise."""
+    """Draw one epoch's shares on `ax`: every slot for small N, else a summary (fast at N=1e6)."""
     colors = _rank_colors(shares.world_size)
     if _is_small(shares):
         _draw_cells(ax, shares, colors)
@@ -281,9 +281,7 @@ def _figsize(panels: Sequence[Shares]) -> tuple[float, float]:
         return 12.0, 4.2 * len(panels)
     shapes = [_grid_shape(sh) for sh in panels]
     cols = max(c for c, _ in shapes)
-    rows = sum(
-        sh.world_size + strip + 1.2 for sh, (_, strip) in zip(panels, shapes, strict=True)
-    )
+    rows = sum(sh.world_size + strip + 1.2 for sh, (_, strip) in zip(panels, shapes, strict=True))
     return min(max(CELL_IN * cols + 3.2, 8.0), 40.0), CELL_IN * rows + 0.75 * len(panels)
 
 

@@ -33,9 +33,7 @@ def shares_from_sampler(sampler: ShareSampler) -> Shares:
         idx = np.asarray(sampler.rank_indices(rank), dtype=np.int64)
         ranks.append(idx)
         padding.append(np.asarray(sampler.is_padding(np.arange(idx.size), rank), dtype=bool))
-    return Shares(
-        mode=sampler.mode, num_samples=sampler.base_size, ranks=ranks, padding=padding
-    )
+    return Shares(mode=sampler.mode, num_samples=sampler.base_size, ranks=ranks, padding=padding)
 
 
 def draw_shares_async(sampler: ShareSampler, run_dir: Path) -> threading.Thread | None:
