@@ -15,9 +15,9 @@ evaluates only the step's positions: O(batch) time and memory at any N (randperm
 N = 2^24 unless configured otherwise, costs its O(N) permutation as in training). Steps are
 numbered as the logs number them (the first optimizer step is 1); a resumed run keeps the
 numbering, because it resumes at the exact position it stopped at. A run resumed at another
-world size records its segments (``segments.json``: from which step it ran at which world size,
+world size records its stretches (``stretches.json``: from which step it ran at which world size,
 batch and accumulation, and which prefixes of that epoch came before), and each step is
-replayed in its own segment's layout. ``--index`` is O(1) per
+replayed in its own stretch's deal. ``--index`` is O(1) per
 epoch for Feistel or unshuffled runs and O(N) per epoch for randperm, refused beyond
 ``INDEX_MAX_RANDPERM`` permuted elements in all (minutes of work).
 """
@@ -49,7 +49,7 @@ from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShareSampler
 from ddp_template.data.transforms import apply_transforms
 from ddp_template.distributed import DistInfo
-from ddp_template.elastic import read_segments
+from ddp_template.elastic import read_stretches
 from ddp_template.errors import ConfigError, Misfit, command
 from ddp_template.kind import DataKind, kind_of
 from ddp_template.models import build_model, weights_part
@@ -63,7 +63,7 @@ INDEX_MAX_RANDPERM = 2**28  # N x epochs for --index under randperm: ~10 s on a 
 
 @dataclass(frozen=True, kw_only=True)
 class Piece:
-    """One epoch (or the part of it) one segment of the run trained: steps ``first_step`` on
+    """One epoch (or the part of it) one stretch of the run trained: steps ``first_step`` on
     are its schedule's steps ``first_k`` on, ``steps`` of them, by ``sampler`` (rank 0's)."""
 
     epoch: int
@@ -86,10 +86,10 @@ class Run:
 
     run_dir: Path
     cfg: Config
-    world_size: int  # the first segment's
+    world_size: int  # the first stretch's
     splits: Splits  # the run's data, built from its config
     kind: DataKind  # the training data's kind: it builds the sampler
-    schedule: EpochSteps  # the first segment's epochs
+    schedule: EpochSteps  # the first stretch's epochs
     pieces: tuple[Piece, ...] = ()
 
     @property
@@ -124,8 +124,8 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
     if not run_dir.is_dir():
         raise ConfigError(f"run dir {run_dir} does not exist; pass the directory of a run.")
     cfg = _config(run_dir)
-    segments = read_segments(run_dir)
-    world = _world_size(run_dir, world_size, segments)
+    stretches = read_stretches(run_dir)
+    world = _world_size(run_dir, world_size, stretches)
     splits = build_splits(cfg.data)
     train = splits.train
     rule = SAMPLER_MODES[str(cfg.sampler.mode)]
@@ -144,25 +144,25 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
     )
     first = {"first_step": 1, "epoch": 0, "position": 0, "world_size": world, "prior": []}
     first |= {"batch_size": cfg.loader.batch_size, "accumulate": cfg.optim.accumulate}
-    return dataclasses.replace(run, pieces=tuple(_pieces(run, segments or [first])))
+    return dataclasses.replace(run, pieces=tuple(_pieces(run, stretches or [first])))
 
 
-def _pieces(run: Run, segments: list[dict[str, Any]]) -> list[Piece]:
-    """Every segment's epochs, each the steps it trained before the next segment began."""
+def _pieces(run: Run, stretches: list[dict[str, Any]]) -> list[Piece]:
+    """Every stretch's epochs, each the steps it trained before the next stretch began."""
     pieces = []
-    for i, seg in enumerate(segments):
-        end = segments[i + 1]["first_step"] if i + 1 < len(segments) else None
-        loader = dataclasses.replace(run.cfg.loader, batch_size=seg["batch_size"])
-        optim = dataclasses.replace(run.cfg.optim, accumulate=seg["accumulate"])
+    for i, stretch in enumerate(stretches):
+        end = stretches[i + 1]["first_step"] if i + 1 < len(stretches) else None
+        loader = dataclasses.replace(run.cfg.loader, batch_size=stretch["batch_size"])
+        optim = dataclasses.replace(run.cfg.optim, accumulate=stretch["accumulate"])
         cfg = dataclasses.replace(run.cfg, loader=loader, optim=optim)
         step, epoch, prior, position = (
-            seg["first_step"],
-            seg["epoch"],
-            seg["prior"],
-            seg["position"],
+            stretch["first_step"],
+            stretch["epoch"],
+            stretch["prior"],
+            stretch["position"],
         )
         while epoch < cfg.epochs and (end is None or step < end):
-            sampler = run.sampler(0, seg["world_size"])
+            sampler = run.sampler(0, stretch["world_size"])
             sampler.set_epoch(epoch)
             if prior:
                 sampler.continue_epoch(epoch, prior)
@@ -177,7 +177,7 @@ def _pieces(run: Run, segments: list[dict[str, Any]]) -> list[Piece]:
                     first_step=step,
                     first_k=first_k,
                     steps=steps,
-                    world_size=seg["world_size"],
+                    world_size=stretch["world_size"],
                     sampler=sampler,
                     schedule=schedule,
                 )
@@ -205,10 +205,10 @@ def _config(run_dir: Path) -> Config:
     return boundary.typed(merged)
 
 
-def _world_size(run_dir: Path, given: int | None, segments: list[dict[str, Any]]) -> int:
-    """The (first segment's) world size: recorded, or ``given`` for a run dir without one."""
-    recorded = segments[0]["world_size"] if segments else _recorded_world_size(run_dir)
-    sizes = " → ".join(str(s["world_size"]) for s in segments) or str(recorded)
+def _world_size(run_dir: Path, given: int | None, stretches: list[dict[str, Any]]) -> int:
+    """The (first stretch's) world size: recorded, or ``given`` for a run dir without one."""
+    recorded = stretches[0]["world_size"] if stretches else _recorded_world_size(run_dir)
+    sizes = " → ".join(str(s["world_size"]) for s in stretches) or str(recorded)
     if given is None:
         if recorded is None:
             raise ConfigError(

@@ -28,7 +28,7 @@ Worked example — 8x8 one-channel images stored as flat CSV rows::
     EOF
     python train.py data=array data.path=/tmp/toy data.image_shape=[1,8,8]
 
-Accepted layouts for ``data.path``:
+Accepted formats for ``data.path``:
 
 * ``<file>.npz`` with arrays ``x_train``, ``y_train``, ``x_test``, ``y_test``; ``x_*`` may be
   flat ``(N, F)``, ``(N, H, W)`` or ``(N, C, H, W)``.

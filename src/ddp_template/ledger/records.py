@@ -2,17 +2,17 @@
 sampler mode defines (a stream: what its split yields, once), from a rank's tally to the verdict.
 
 What crosses a process boundary is a TypedDict, plain containers on the wire and on disk: a
-checkpoint loads under ``weights_only=True``, segments.json is JSON, a gather pickles. What rank
+checkpoint loads under ``weights_only=True``, stretches.json is JSON, a gather pickles. What rank
 0 makes of the gathered rows, the report and its verdict, is frozen dataclasses. Fingerprints
 are ints mod 2**64 until the report, which shows them as 16 hex digits. Readers:
 
 - ``Tallied``, ``SavedLedger``: ``ledger.tally.join_ledgers`` (writes), ``ledger.verify.
   epoch_metrics`` (the ``data/epoch_*`` keys), ``checkpoint_parts.Ledger`` (the checkpoint's
   ledger part, ``engine.TrainState.carried``).
-- ``PriorSegment``: ``engine.TrainState`` (``prior``, ``steps_before``), ``checkpoint_parts``
+- ``PriorStretch``: ``engine.TrainState`` (``prior``, ``steps_before``), ``checkpoint_parts``
   (``Progress`` writes it, ``Ledger.load_resized`` its ledgers, ``SamplerPosition``),
   ``data.samplers.ShareSampler.continue_epoch``, ``ledger.verify.prior_checks``,
-  ``elastic.record_segment`` (segments.json, without the ledgers) and ``replay``.
+  ``elastic.record_stretch`` (stretches.json, without the ledgers) and ``replay``.
 - ``Seen``, ``RankRow``, ``WorkerCheck``, ``PriorCheck``: ``ledger.verify`` (``own_check`` and
   ``prior_checks`` write a rank's row; ``epoch_report`` and ``share_report`` read the rows).
 - ``StreamRow``: ``streams.verify.verify_stream`` (a stream's gathered row).
@@ -72,10 +72,10 @@ class _Prefix(TypedDict):
     first_step: int
 
 
-class PriorSegment(_Prefix, total=False):
+class PriorStretch(_Prefix, total=False):
     """A prefix of the current epoch read at another world size (elastic resume), in the
     checkpoint's progress part; ``ledgers`` (the old ranks', None until the ledger part loads)
-    is left out of segments.json."""
+    is left out of stretches.json."""
 
     ledgers: list[Tallied] | None
 
@@ -89,9 +89,9 @@ class WorkerCheck(TypedDict):
 
 
 class PriorCheck(TypedDict):
-    """An old rank's ledger of a ``PriorSegment``, checked by rank ``rank mod W``."""
+    """An old rank's ledger of a ``PriorStretch``, checked by rank ``rank mod W``."""
 
-    segment: int
+    stretch: int
     world_size: int
     rank: int
     samples: int

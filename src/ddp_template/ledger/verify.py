@@ -27,7 +27,7 @@ from ddp_template.ledger.records import (
     EpochReport,
     PriorCheck,
     PriorLine,
-    PriorSegment,
+    PriorStretch,
     RankLine,
     RankRow,
     SavedLedger,
@@ -78,7 +78,7 @@ def verify_epoch(
     start: int,
     metrics: dict[str, float | str],
     info: DistInfo,
-    prior: list[PriorSegment] = (),
+    prior: list[PriorStretch] = (),
 ) -> EpochReport | None:
     """Check this rank's epoch, gather every rank's row: the report on rank 0, None elsewhere.
 
@@ -126,9 +126,9 @@ def own_check(
 
 
 def old_ranks(
-    sampler: Any, prior: list[PriorSegment], rank: int
-) -> Iterator[tuple[int, Any, int, PriorSegment]]:
-    """This epoch's prefixes read at other world sizes, as ``(segment, its sampler, old rank
+    sampler: Any, prior: list[PriorStretch], rank: int
+) -> Iterator[tuple[int, Any, int, PriorStretch]]:
+    """This epoch's prefixes read at other world sizes, as ``(stretch, its sampler, old rank
     q, prefix)`` for the old ranks this rank checks: q mod W = ``rank``."""
     for i, prefix in enumerate(prior):
         old = sampler.prefix_sampler(i)
@@ -136,7 +136,7 @@ def old_ranks(
             yield i, old, q, prefix
 
 
-def prior_checks(sampler: Any, prior: list[PriorSegment], *, rank: int) -> list[PriorCheck]:
+def prior_checks(sampler: Any, prior: list[PriorStretch], *, rank: int) -> list[PriorCheck]:
     """The old ranks' ledgers of this epoch's prefixes against what their samplers defined:
     old rank q is checked by rank q mod W (O(prefix / W) per rank)."""
     checks = []
@@ -145,7 +145,7 @@ def prior_checks(sampler: Any, prior: list[PriorSegment], *, rank: int) -> list[
         samples = int(ledger["samples"])
         count = min(samples, old.length_of(q))
         check = PriorCheck(
-            segment=i,
+            stretch=i,
             world_size=old.num_replicas,
             rank=q,
             samples=samples,
@@ -161,7 +161,7 @@ def resumed_prefix(
     sampler: Any,
     position: int,
     carried: SavedLedger | None,
-    prior: list[PriorSegment],
+    prior: list[PriorStretch],
     *,
     rank: int,
 ) -> tuple[int, int, list[str]]:
@@ -197,7 +197,7 @@ def epoch_report(
     index lists): O(W) work, plus O(N) only on the mismatch path with lists. After a resume at
     another world size the report covers the whole epoch: the prefixes' old ranks too."""
     expected = agreed_expectations(rows)
-    prior = sorted((p for row in rows for p in row["prior"]), key=_segment_rank)
+    prior = sorted((p for row in rows for p in row["prior"]), key=_stretch_rank)
     observed: list[Seen] = list(rows)
     coverage = None
     if lists is not None:
@@ -293,8 +293,8 @@ def definition(sampler: Any, probes: int = DEFINITION_PROBES) -> Definition:
     return (sampler.mode, sampler.dataset_size, world, length, digest)
 
 
-def _segment_rank(check: PriorCheck) -> tuple[int, int]:
-    return check["segment"], check["rank"]
+def _stretch_rank(check: PriorCheck) -> tuple[int, int]:
+    return check["stretch"], check["rank"]
 
 
 def with_prior_coverage(
@@ -307,9 +307,9 @@ def with_prior_coverage(
     if any(p["fingerprint"] != p["expected"] for p in prior):
         return None
     parts = [coverage]
-    for i in sorted({p["segment"] for p in prior}):
+    for i in sorted({p["stretch"] for p in prior}):
         old = sampler.prefix_sampler(i)
-        counts = {p["rank"]: p["samples"] for p in prior if p["segment"] == i}
+        counts = {p["rank"]: p["samples"] for p in prior if p["stretch"] == i}
         ranges = [(0, min(counts[q], old.length_of(q))) for q in range(old.num_replicas)]
         parts.append(derived_coverage(old, ranges))
     covered = sum(part.covered for part in parts)

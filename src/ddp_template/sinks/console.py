@@ -20,7 +20,7 @@ def setup_console(info: DistInfo, run_dir: Path) -> None:
     """Rank 0 talks; other ranks only warn. Each rank also logs to its file in the run dir.
 
     Under Hydra (torchrun, single process) the file handler already exists; in-process
-    workers start without Hydra's logging, so they get the same layout here.
+    workers start without Hydra's logging, so they get the same format here.
     """
     root = logging.getLogger()
     if not any(isinstance(h, logging.FileHandler) for h in root.handlers):

@@ -25,7 +25,7 @@ from ddp_template.distributed import DistInfo, broadcast_object, gather_objects
 from ddp_template.ledger.records import SavedLedger
 from ddp_template.ledger.tally import IndexTally, join_ledgers
 from ddp_template.optional.live import keys
-from ddp_template.tolerance import Segment
+from ddp_template.tolerance import Held
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Claim(NamedTuple):
     dropped: int  # samples of an uncommitted step it had read (back to the epoch's rest)
 
 
-def handover(held: Segment | None, info: DistInfo, target: int) -> Found:
+def handover(held: Held | None, info: DistInfo, target: int) -> Found:
     """Every member's claim gathered; rank 0 (a survivor at ``target``, the committed step)
     makes the checkpoint every member restores (collectives of the new group)."""
     claims = gather_objects(_claim(held, target), info)
@@ -76,7 +76,7 @@ def handover(held: Segment | None, info: DistInfo, target: int) -> Found:
     return Found(Path(f"<regroup at step {target}>"), payload)
 
 
-def _claim(held: Segment | None, target: int) -> Claim:
+def _claim(held: Held | None, target: int) -> Claim:
     if held is None:
         return Claim(None, None, 0)
     state, tr = held.state, held.trainer
@@ -94,7 +94,7 @@ def _claim(held: Segment | None, target: int) -> Claim:
     return Claim(tr.info.rank, parts, dropped)
 
 
-def _payload(held: Segment, claims: list[Claim]) -> tuple[dict[str, Any], list[int]]:
+def _payload(held: Held, claims: list[Claim]) -> tuple[dict[str, Any], list[int]]:
     """Rank 0's checkpoint payload: its own parts, and every old rank's per-rank parts (a lost
     one's ledger derived from the deal); the old ranks whose ledger was derived."""
     observed = {c.old_rank: c.parts for c in claims if c.parts is not None}
@@ -108,8 +108,8 @@ def _payload(held: Segment, claims: list[Claim]) -> tuple[dict[str, Any], list[i
     return held.ckpt.payload(ranks=ranks), derived
 
 
-def derived_ledger(held: Segment, rank: int) -> SavedLedger:
-    """``rank``'s ledger of this layout's part of the epoch, up to the committed position:
+def derived_ledger(held: Held, rank: int) -> SavedLedger:
+    """``rank``'s ledger of this deal's part of the epoch, up to the committed position:
     the micro-batches its list held, as the loop would have read them."""
     state, tr = held.state, held.trainer
     sampler, schedule = tr.sampler, tr.schedule
