@@ -44,7 +44,7 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     ships, without importing scikit-learn: its import costs every rank about 2 s of CPU."""
     spec = importlib.util.find_spec("sklearn")
     csv = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec else None
-    if csv is None or not csv.is_file():  # another file format: scikit-learn's own reader
+    if csv is None or not csv.is_file():  # other files: scikit-learn's own reader
         from sklearn.datasets import load_digits
 
         bunch = load_digits()
@@ -86,7 +86,7 @@ def _diabetes_arrays() -> tuple[np.ndarray, np.ndarray]:
     folder = Path(spec.origin).parent / "datasets" / "data" if spec else None
     names = ("diabetes_data_raw.csv.gz", "diabetes_target.csv.gz")
     files = [folder / name for name in names] if folder else []
-    if not files or not all(f.is_file() for f in files):  # another file format: scikit-learn's reader
+    if not files or not all(f.is_file() for f in files):  # other files: scikit-learn's reader
         from sklearn.datasets import load_diabetes
 
         return load_diabetes(return_X_y=True, scaled=False)
