@@ -6,7 +6,7 @@ the parts that are the same on every rank load as they are, the per-rank parts a
 ranks travel with the epoch, each new rank's RNGs start as a fresh rank's). What this module
 owns is the optimizer's view: with ``elastic.global_batch=keep`` the global batch
 ``batch_size x W x accumulate`` stays, so steps per epoch and the LR schedule go on as if
-nothing happened; with ``scale`` the per-rank batch stays and the schedule is re-derived.
+nothing happened; with ``scale`` the per-rank batch stays and the LR schedule is re-derived.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ INDEX_MAX_RANDPERM = 2**28  # N x epochs for --index under randperm: ~10 s on a 
 @dataclass(frozen=True, kw_only=True)
 class Piece:
     """One epoch (or the part of it) one stretch of the run trained: steps ``first_step`` on
-    are its schedule's steps ``first_k`` on, ``steps`` of them, by ``sampler`` (rank 0's)."""
+    are its epoch's steps ``first_k`` on, ``steps`` of them, by ``sampler`` (rank 0's)."""
 
     epoch: int
     first_step: int
@@ -72,12 +72,12 @@ class Piece:
     steps: int
     world_size: int
     sampler: ShareSampler
-    schedule: EpochSteps
+    epoch_steps: EpochSteps
 
     def span(self) -> tuple[int, int]:
         """The positions of every rank's list this piece read."""
         first, last = self.first_k, self.first_k + self.steps - 1
-        return self.schedule.span(first)[0], self.schedule.span(last)[1]
+        return self.epoch_steps.span(first)[0], self.epoch_steps.span(last)[1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +89,7 @@ class Run:
     world_size: int  # the first stretch's
     splits: Splits  # the run's data, built from its config
     kind: DataKind  # the training data's kind: it builds the sampler
-    schedule: EpochSteps  # the first stretch's epochs
+    epoch_steps: EpochSteps  # the first stretch's epochs
     pieces: tuple[Piece, ...] = ()
 
     @property
@@ -129,7 +129,7 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
     splits = build_splits(cfg.data)
     train = splits.train
     rule = SAMPLER_MODES[str(cfg.sampler.mode)]
-    schedule = EpochSteps.of_run(
+    epoch_steps = EpochSteps.of_run(
         cfg,
         length=rule.length(len(train), world),
         rank_lengths=tuple(rule.rank_length(len(train), r, world) for r in range(world)),
@@ -140,7 +140,7 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
         world_size=world,
         splits=splits,
         kind=kind_of(splits),
-        schedule=schedule,
+        epoch_steps=epoch_steps,
     )
     first = {"first_step": 1, "epoch": 0, "position": 0, "world_size": world, "prior": []}
     first |= {"batch_size": cfg.loader.batch_size, "accumulate": cfg.optim.accumulate}
@@ -167,9 +167,9 @@ def _pieces(run: Run, stretches: list[dict[str, Any]]) -> list[Piece]:
             if prior:
                 sampler.continue_epoch(epoch, prior)
             steps_before = sum(p["steps"] for p in prior)
-            schedule = EpochSteps.of_sampler(cfg, sampler, steps_before=steps_before)
-            first_k = schedule.steps_done(position)
-            steps = schedule.steps_per_epoch - first_k
+            epoch_steps = EpochSteps.of_sampler(cfg, sampler, steps_before=steps_before)
+            first_k = epoch_steps.steps_done(position)
+            steps = epoch_steps.steps_per_epoch - first_k
             steps = steps if end is None else min(steps, end - step)
             if steps > 0:
                 piece = Piece(
@@ -179,7 +179,7 @@ def _pieces(run: Run, stretches: list[dict[str, Any]]) -> list[Piece]:
                     steps=steps,
                     world_size=stretch["world_size"],
                     sampler=sampler,
-                    schedule=schedule,
+                    epoch_steps=epoch_steps,
                 )
                 pieces.append(piece)
             step, epoch, prior, position = step + steps, epoch + 1, [], 0
@@ -260,11 +260,11 @@ def piece_of(run: Run, step: int) -> Piece:
 def step_rows(run: Run, step: int) -> list[dict[str, Any]]:
     """Each rank's epoch, position and dataset indices at optimizer step ``step``."""
     piece = piece_of(run, step)
-    schedule, sampler = piece.schedule, piece.sampler  # index_at takes the rank
-    start, stop = schedule.span(piece.first_k + step - piece.first_step)
+    epoch_steps, sampler = piece.epoch_steps, piece.sampler  # index_at takes the rank
+    start, stop = epoch_steps.span(piece.first_k + step - piece.first_step)
     rows = []
     for rank in range(piece.world_size):
-        positions = np.arange(start, stop, dtype=np.int64)[: schedule.held(rank, start, stop)]
+        positions = np.arange(start, stop, dtype=np.int64)[: epoch_steps.held(rank, start, stop)]
         indices = sampler.index_at(positions, rank)  # `exact`: a shorter list may end here
         row = {"step": step, "rank": rank, "epoch": piece.epoch, "position": start}
         row["world_size"] = piece.world_size
@@ -292,7 +292,7 @@ def index_hits(run: Run, index: int) -> list[dict[str, int]]:
         ranks, positions = piece.sampler.locate(index)
         lo, hi = piece.span()
         read = (positions >= lo) & (positions < hi)
-        steps = piece.first_step + positions[read] // piece.schedule.step_size - piece.first_k
+        steps = piece.first_step + positions[read] // piece.epoch_steps.step_size - piece.first_k
         for rank, position, step in zip(ranks[read], positions[read], steps, strict=True):
             hit = {"epoch": piece.epoch, "step": int(step), "rank": int(rank)}
             hits.append(hit | {"position": int(position), "world_size": piece.world_size})
@@ -331,7 +331,7 @@ def step_losses(run: Run, rows: list[dict[str, Any]], checkpoint: Path) -> str:
     task = build_task(cfg.task)
     task.setup(splits.info, torch.device("cpu"))
     model.train()
-    size = piece_of(run, first["step"]).schedule.batch_size
+    size = piece_of(run, first["step"]).epoch_steps.batch_size
     ranks = payload["ranks"] if payload["world_size"] == first["world_size"] else None
     for row in rows:
         if ranks is not None:  # the RNG this rank's forwards drew from (dropout)
@@ -356,8 +356,8 @@ def _print_step(run: Run, rows: list[dict[str, Any]], as_json: bool) -> None:
     rest = " of the rest after a resize" if piece.sampler.prior else ""
     print(
         f"{run.run_dir}: step {first['step']} of {run.total_steps} = epoch {first['epoch']}, "
-        f"step {k} of {piece.schedule.steps_per_epoch}{rest}; {piece.world_size} ranks, "
-        f"batch_size {piece.schedule.batch_size} x accumulate {piece.schedule.accumulate}"
+        f"step {k} of {piece.epoch_steps.steps_per_epoch}{rest}; {piece.world_size} ranks, "
+        f"batch_size {piece.epoch_steps.batch_size} x accumulate {piece.epoch_steps.accumulate}"
     )
     for row in rows:
         print(f"rank {row['rank']}: epoch {row['epoch']}, position {row['position']}: ", end="")

@@ -4,7 +4,7 @@ A step commits once its gradient all-reduce has completed: a completed all-reduc
 member's contribution, so if any survivor completed step S, every sample of S trained. The
 regroup orders that survivor first (the new rank 0, the furthest on); a survivor one step
 behind (its all-reduce broke) adds the micro-batches it held for S to its ledger, and every
-survivor's weights, optimizer, schedule, scaler, EMA and step become rank 0's. A step no
+survivor's weights, optimizer, LR schedule, scaler, EMA and step become rank 0's. A step no
 survivor completed is uncommitted: its micro-batches leave every ledger and its samples stay in
 the epoch's rest, which the new group deals among itself (the elastic-resume path, as from a
 checkpoint of the old world size). A lost rank's ledger is derived from the deal (the positions
@@ -112,14 +112,14 @@ def derived_ledger(held: Held, rank: int) -> SavedLedger:
     """``rank``'s ledger of this deal's part of the epoch, up to the committed position:
     the micro-batches its list held, as the loop would have read them."""
     state, tr = held.state, held.trainer
-    sampler, schedule = tr.sampler, tr.schedule
+    sampler, epoch_steps = tr.sampler, tr.schedule
     workers, first = sampler.worker_lanes(0)
     tally = IndexTally(workers=workers, first_worker=first)
-    size = schedule.batch_size
-    for k in range(schedule.steps_done(state.position)):
-        start, stop = schedule.span(k)
+    size = epoch_steps.batch_size
+    for k in range(epoch_steps.steps_done(state.position)):
+        start, stop = epoch_steps.span(k)
         for lo in range(start, stop, size):
-            n = schedule.held(rank, lo, min(lo + size, stop))
+            n = epoch_steps.held(rank, lo, min(lo + size, stop))
             if n:
                 tally.add(sampler.index_at(np.arange(lo, lo + n, dtype=np.int64), rank=rank))
     if not state.position:
