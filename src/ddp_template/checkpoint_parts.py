@@ -59,7 +59,7 @@ class Progress:
             s.prior = [*saved["prior"], prefix]
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        k, mine = saved["accumulate"], self.trainer.epoch_steps.accumulate
+        k, mine = saved["accumulate"], self.trainer.schedule.accumulate
         if k != mine:
             raise Misfit(
                 f"it was written with optim.accumulate={k} but this run has "
