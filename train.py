@@ -4,7 +4,7 @@
     python train.py dist.nproc=2                      # two ranks, started in-process
     torchrun --standalone --nproc-per-node=2 train.py # two ranks under torchrun
 
-The recipe is the classic one — init the process group, shard the data with a distributed
+The recipe is the classic one — init the process group, deal the data with a distributed
 sampler, wrap the model in DDP, loop over epochs calling ``set_epoch`` — and each step is one
 builder from ``src/ddp_template`` named after the config group it reads. docs/ARCHITECTURE.md
 maps the modules.
@@ -36,7 +36,7 @@ from ddp_template.data.identity import DataIdentity, identify
 from ddp_template.data.loader import build_eval_loader
 from ddp_template.data.transforms import apply_transforms
 from ddp_template.data.workers import reseed_for_epoch
-from ddp_template.elastic import Resize, plan_resize, record_segment
+from ddp_template.elastic import Resize, plan_resize, record_stretch
 from ddp_template.engine import (
     EpochStats,
     StepHook,
@@ -79,7 +79,7 @@ from ddp_template.spike import build_spikes
 from ddp_template.splits import build_splits
 from ddp_template.switches import build_switches
 from ddp_template.task import EvalResult, build_task, objective, register_sweep_direction
-from ddp_template.tolerance import Segment, Tolerance, build_tolerance
+from ddp_template.tolerance import Held, Tolerance, build_tolerance
 
 gc.freeze()  # what was imported lives as long as the process: out of every later pass
 gc.enable()
@@ -392,12 +392,12 @@ def begin(
     resize: Resize | None,
     logger: RankLogger,
 ) -> Any:
-    """Resume (or start fresh), record the segment, and say what the run is about to do;
+    """Resume (or start fresh), record the stretch, and say what the run is about to do;
     returns the shares picture's drawing thread (rank 0, where drawn)."""
     info = built.trainer.info
     line = resume(cfg, built, ckpt, chain, state, found, resize)
     if info.is_main:
-        record_segment(run.run_dir, cfg=cfg, state=state, world_size=info.world_size)
+        record_stretch(run.run_dir, cfg=cfg, state=state, world_size=info.world_size)
     logger.ready()  # every rank's W&B run exists before anyone logs
     if line:
         logger.log_resume(line, state.step)
@@ -450,7 +450,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
                 regrouped = tolerance.recover(exc, state.step)
                 if regrouped is None:
                     raise
-                found = tolerance.handover(Segment(ckpt, state, built.trainer), regrouped)
+                found = tolerance.handover(Held(ckpt, state, built.trainer), regrouped)
                 info, regroup = regrouped, True
                 setup_console(info, run.run_dir)
         logger.finish_run(result, built.splits, state.step, picture)

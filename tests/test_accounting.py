@@ -210,11 +210,11 @@ def test_a_loader_that_reads_another_ranks_batch_is_caught() -> None:
     wrong[8:16] = samplers[1].rank_indices()[8:16]
     rows, _ = _epoch_rows(samplers, 0, 100, seen={3: wrong})
     report = epoch_report(samplers[0], rows)
-    assert str(report.verdict) == "MISMATCH: rank 3 saw indices that differ from its padded shard"
+    assert str(report.verdict) == "MISMATCH: rank 3 saw indices that differ from its padded share"
 
 
 def test_a_rank_that_reads_past_its_list_mismatches_instead_of_raising() -> None:
     samplers = _samplers(1000, 4, "padded", [0] * 4, [1] * 4)
     extra = np.append(samplers[1].rank_indices()[200:], 5)
     report = epoch_report(samplers[0], _epoch_rows(samplers, 200, 50, seen={1: extra})[0])
-    assert str(report.verdict) == "MISMATCH: rank 1 saw indices that differ from its padded shard"
+    assert str(report.verdict) == "MISMATCH: rank 1 saw indices that differ from its padded share"

@@ -167,7 +167,7 @@ def _lr(run_dir: Path) -> dict[int, float]:
 
 def _epoch_ends(run_dir: Path) -> list[tuple[int, dict]]:
     rows = jsonl(run_dir / "rank0" / "metrics.jsonl")
-    return [(r["step"], r) for r in rows if "shards/verdict_ok" in r]
+    return [(r["step"], r) for r in rows if "shares/verdict_ok" in r]
 
 
 @pytest.fixture(scope="module")
@@ -203,8 +203,8 @@ def test_resumed_at_one_rank_with_the_global_batch_kept(interrupted, tmp_path: P
     assert abs(summary(run_dir)["eval_accuracy"] - summary(reference)["eval_accuracy"]) <= 0.01
     assert summary(run_dir)["eval_accuracy"] >= 0.95
     epoch0 = ends[0][1]
-    assert (epoch0["shards/verdict_ok"], epoch0["shards/coverage"]) == (1, 1.0)
-    assert epoch0["shards/total_samples"] == N_DIGITS
+    assert (epoch0["shares/verdict_ok"], epoch0["shares/coverage"]) == (1, 1.0)
+    assert epoch0["shares/total_samples"] == N_DIGITS
     seen = replayed_epoch(run_dir)
     assert len(seen) == N_DIGITS and set(seen.values()) == {1}  # 1 rank: the rest needs no pad
     log = (run_dir / "train.log").read_text()
@@ -225,7 +225,7 @@ def test_resumed_at_three_ranks_scaling_the_global_batch(interrupted, tmp_path: 
     run_dir = tmp_path / "outputs" / "three"
     assert summary(run_dir)["eval_accuracy"] >= 0.95
     epoch0 = _epoch_ends(run_dir)[0][1]
-    assert (epoch0["shards/verdict_ok"], epoch0["shards/coverage"]) == (1, 1.0)
+    assert (epoch0["shares/verdict_ok"], epoch0["shares/coverage"]) == (1, 1.0)
     seen = replayed_epoch(run_dir)
     assert len(seen) == N_DIGITS and sorted(Counter(seen.values()).items()) == [
         (1, N_DIGITS - 1),
@@ -280,7 +280,7 @@ def test_ten_million_samples_resume_at_three_ranks_in_constant_memory(tmp_path: 
         run_dir = tmp_path / "outputs" / name
         assert "world size 2 → 3 at step 3" in (run_dir / "train.log").read_text()
         epoch0 = _epoch_ends(run_dir)[0][1]
-        assert epoch0["shards/verdict_ok"] == 1 and epoch0["shards/total_samples"] == 8 * 48
+        assert epoch0["shares/verdict_ok"] == 1 and epoch0["shares/total_samples"] == 8 * 48
         seen = replayed_epoch(run_dir)
         assert len(seen) == 8 * 48 and set(seen.values()) == {1}
         big = _peak_rss_mib(run_dir, world=3)
@@ -326,9 +326,9 @@ def _every_epoch_ok(run_dir: Path, epochs: int) -> None:
     """Every report ok (a preempted epoch's partial one too); one whole report an epoch, all N
     samples once; replay lists each training index of epoch 0 exactly once."""
     reports = [row for _, row in _epoch_ends(run_dir)]
-    assert all(r["shards/verdict_ok"] == 1 for r in reports), reports
-    whole = [r for r in reports if r["shards/coverage"] == 1.0]
-    assert [r["shards/total_samples"] for r in whole] == [N_DIGITS] * epochs, reports
+    assert all(r["shares/verdict_ok"] == 1 for r in reports), reports
+    whole = [r for r in reports if r["shares/coverage"] == 1.0]
+    assert [r["shares/total_samples"] for r in whole] == [N_DIGITS] * epochs, reports
     seen = replayed_epoch(run_dir)
     assert len(seen) == N_DIGITS and set(seen.values()) == {1}
 

@@ -30,7 +30,7 @@ from ddp_template.engine import micro_batches
 from ddp_template.ledger.tally import fingerprint_hex, fingerprint_sum
 from ddp_template.ledger.verify import epoch_report, own_check
 from ddp_template.sinks.share_draw import _headline
-from ddp_template.sinks.share_plot import layout_from_sampler
+from ddp_template.sinks.share_plot import shares_from_sampler
 
 EXACT = SAMPLER_MODES["exact"]
 
@@ -208,9 +208,9 @@ def test_replay_reports_the_empty_micro_batch(compose_cfg, tmp_path: Path, capsy
 
 
 def test_picture_and_headline_show_both_lengths() -> None:
-    layout = layout_from_sampler(ShareSampler(range(11), 2, 0, shuffle=False, mode="exact"))
-    assert [r.tolist() for r in layout.ranks] == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9]]
-    assert "per-rank length 6 or 5, 0 padding, 0 dropped" in _headline(layout, None)
+    shares = shares_from_sampler(ShareSampler(range(11), 2, 0, shuffle=False, mode="exact"))
+    assert [r.tolist() for r in shares.ranks] == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9]]
+    assert "per-rank length 6 or 5, 0 padding, 0 dropped" in _headline(shares, None)
 
 
 # ------------------------------------------------------------------------- real gloo runs
@@ -294,9 +294,9 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(
             for row in rank
             if "train/loss" in row
         )
-    shards = [row for row in rows[0] if "shards/verdict_ok" in row]
-    assert [(s["shards/verdict_ok"], s["shards/total_samples"]) for s in shards] == [(1, 101)] * 2
-    assert all((s["shards/coverage"], s["shards/repeats"]) == (1.0, 0) for s in shards)
+    shards = [row for row in rows[0] if "shares/verdict_ok" in row]
+    assert [(s["shares/verdict_ok"], s["shares/total_samples"]) for s in shards] == [(1, 101)] * 2
+    assert all((s["shares/coverage"], s["shares/repeats"]) == (1.0, 0) for s in shards)
 
 
 @pytest.mark.slow
@@ -327,9 +327,9 @@ def test_three_ranks_killed_mid_epoch_resume_bit_identically(digits101: Path, tm
     # The killed launch ended no epoch; the resumed one read the epoch's last sample.
     rows = jsonl(tmp_path / "outputs/chain/rank0/metrics.jsonl")
     shards = [
-        (r["shards/verdict_ok"], r["shards/total_samples"])
+        (r["shares/verdict_ok"], r["shares/total_samples"])
         for r in rows
-        if "shards/verdict_ok" in r
+        if "shares/verdict_ok" in r
     ]
     assert shards == [(1, 1)]
 

@@ -164,9 +164,9 @@ def verdicts(run_dir: Path) -> list[tuple[int, int]]:
     """Each epoch's shard verdict (1: ok) and the samples it counted, as rank 0 logged them."""
     rows = jsonl(run_dir / "rank0" / "metrics.jsonl")
     return [
-        (r["shards/verdict_ok"], r["shards/total_samples"])
+        (r["shares/verdict_ok"], r["shares/total_samples"])
         for r in rows
-        if "shards/verdict_ok" in r
+        if "shares/verdict_ok" in r
     ]
 
 

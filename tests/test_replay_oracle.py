@@ -65,7 +65,7 @@ def loader_steps(run_, stop_after: int | None = None) -> list[list[list[int]]]:
         steps, state = [], TrainState()
         while state.epoch < run_.cfg.epochs:
             sampler.set_epoch(state.epoch)
-            if engine_epoch(loader, run_.schedule, state, steps, stop_after, rank):
+            if engine_epoch(loader, run_.epoch_steps, state, steps, stop_after, rank):
                 state.epoch, state.position = state.epoch + 1, 0
                 continue
             saved, stop_after = sampler.state_dict(state.position), None
@@ -113,16 +113,16 @@ def test_replay_is_the_capped_loader_in_every_mode(
         f"optim.accumulate={acc}",
     ]
     run_ = load_run(write_run(tmp_path / "run", compose_cfg(*overrides)), world_size=3)
-    truth, per_epoch = loader_steps(run_), run_.schedule.steps_per_epoch
-    assert [len(steps) for steps in truth] == [run_.schedule.total_steps] * 3
+    truth, per_epoch = loader_steps(run_), run_.epoch_steps.steps_per_epoch
+    assert [len(steps) for steps in truth] == [run_.epoch_steps.total_steps] * 3
     for stop in (per_epoch, per_epoch + 1):  # a resume at an epoch's end and mid-epoch
         assert loader_steps(run_, stop_after=stop) == truth
-    for step in range(1, run_.schedule.total_steps + 1):
+    for step in range(1, run_.epoch_steps.total_steps + 1):
         assert [row["indices"] for row in step_rows(run_, step)] == [t[step - 1] for t in truth]
     for index in range(23):
         expected = [
             (s // per_epoch, s + 1, r)
-            for s in range(run_.schedule.total_steps)
+            for s in range(run_.epoch_steps.total_steps)
             for r in range(3)
             for i in truth[r][s]
             if i == index

@@ -83,7 +83,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_three_ranks_verdict_ok_every_epoch_and_evaluate_like_one_and_two(reference) -> None:
     """Every epoch's verdict is ok; the final evaluation at 3 ranks (the run's own) equals the
     checkpoint evaluated in this process (one rank, batches of 7) and at 2 ranks (epochs=0)."""
-    verdicts = [r["shards/verdict_ok"] for r in reference["rows"] if "shards/verdict_ok" in r]
+    verdicts = [r["shares/verdict_ok"] for r in reference["rows"] if "shares/verdict_ok" in r]
     assert verdicts == [1, 1]
     three = reference["summary"]
     assert three["world_size"] == 3 and three["eval_count"] == 37
@@ -133,10 +133,10 @@ def test_kill_9_of_a_rank_mid_epoch_then_resume_gives_the_identical_model(
     # Epoch 0's report is the killed launch's, epoch 1's the resumed one's: what the latter
     # trained on is the rest of the epoch after the checkpoint's position (99 padded samples).
     rows = jsonl(tmp_path / "outputs" / "kill" / "rank0" / "metrics.jsonl")
-    report = [r for r in rows if "shards/verdict_ok" in r]
-    assert [(r["step"], r["shards/verdict_ok"]) for r in report] == [(9, 1), (STEPS, 1)], report
+    report = [r for r in rows if "shares/verdict_ok" in r]
+    assert [(r["step"], r["shares/verdict_ok"]) for r in report] == [(9, 1), (STEPS, 1)], report
     rest = 99 - 3 * stopped["progress"]["position"]
-    assert [r["shards/total_samples"] for r in report] == [99, rest], report
+    assert [r["shares/total_samples"] for r in report] == [99, rest], report
 
 
 def _logits(pred: list[list[int]], num_classes: int = 3) -> torch.Tensor:

@@ -130,7 +130,7 @@ def test_a_clean_epoch_exchanges_rows_only_and_is_exact(ranks: list[dict[str, An
     "scenario,problem",
     [
         ("wrong_seed", "rank 1's sampler defines another padded epoch than the others"),
-        ("skipped_batch", "rank 1 saw indices that differ from its padded shard"),
+        ("skipped_batch", "rank 1 saw indices that differ from its padded share"),
     ],
 )
 def test_a_wrong_shard_on_one_rank_is_a_shard_mismatch(
@@ -140,7 +140,7 @@ def test_a_wrong_shard_on_one_rank_is_a_shard_mismatch(
     assert str(got["report"].verdict) == f"MISMATCH: {problem}"
     assert [r.matches for r in got["report"].ranks] == [True, False]
     (warning,) = got["warnings"]
-    assert warning.startswith("SHARD MISMATCH in epoch 2: MISMATCH: " + problem)
+    assert warning.startswith("SHARE MISMATCH in epoch 2: MISMATCH: " + problem)
     assert not ranks[1][scenario]["warnings"]  # the report and its warning are rank 0's
 
 

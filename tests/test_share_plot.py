@@ -14,12 +14,12 @@ from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShareSampler
 from ddp_template.sinks.share_draw import coverage_bins
 from ddp_template.sinks.share_plot import (
-    ShareLayout,
-    draw_layout,
-    layout_from_sampler,
+    Shares,
+    draw_shares,
     main,
-    save_layout_png,
     save_modes_png,
+    save_shares_png,
+    shares_from_sampler,
 )
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -44,23 +44,23 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("mode", list(TABLE_11_2))
-def test_layout_from_sampler_matches_the_design_table(mode: str) -> None:
-    layout = layout_from_sampler(ShareSampler(range(11), 2, 0, shuffle=False, seed=0, mode=mode))
+def test_shares_from_sampler_matches_the_design_table(mode: str) -> None:
+    shares = shares_from_sampler(ShareSampler(range(11), 2, 0, shuffle=False, seed=0, mode=mode))
     rank0, rank1, pad1 = TABLE_11_2[mode]
-    assert (layout.mode, layout.num_samples, layout.world_size) == (mode, 11, 2)
-    assert [r.tolist() for r in layout.ranks] == [rank0, rank1]
-    assert not layout.padding[0].any()
-    assert np.flatnonzero(layout.padding[1]).tolist() == pad1
-    assert layout.dropped().tolist() == ([10] if mode == "drop_last" else [])
+    assert (shares.mode, shares.num_samples, shares.world_size) == (mode, 11, 2)
+    assert [r.tolist() for r in shares.ranks] == [rank0, rank1]
+    assert not shares.padding[0].any()
+    assert np.flatnonzero(shares.padding[1]).tolist() == pad1
+    assert shares.dropped().tolist() == ([10] if mode == "drop_last" else [])
 
 
-def test_layout_from_sampler_shuffled_and_uneven() -> None:
-    shuffled = layout_from_sampler(
+def test_shares_from_sampler_shuffled_and_uneven() -> None:
+    shuffled = shares_from_sampler(
         ShareSampler(range(11), 2, 0, shuffle=True, seed=0, mode="padded")
     )
     assert [r.tolist() for r in shuffled.ranks] == [[10, 4, 5, 2, 9, 6], [0, 3, 8, 1, 7, 10]]
     assert shuffled.padding[1].tolist() == [False] * 5 + [True]
-    seq = layout_from_sampler(
+    seq = shares_from_sampler(
         ShareSampler(range(10), 4, 0, shuffle=False, seed=0, mode="sequential")
     )
     assert [r.tolist() for r in seq.ranks] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 0, 1]]
@@ -80,19 +80,19 @@ def test_cli_entry_point(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     _png_size(tmp_path / "modes.png")
 
 
-def test_save_layout_png_for_a_run(tmp_path: Path) -> None:
-    layout = layout_from_sampler(
+def test_save_shares_png_for_a_run(tmp_path: Path) -> None:
+    shares = shares_from_sampler(
         ShareSampler(range(50), 3, 0, shuffle=True, seed=1, mode="drop_last")
     )
-    _png_size(save_layout_png(tmp_path / "run" / "shares.png", layout, title="run-x"))
+    _png_size(save_shares_png(tmp_path / "run" / "shares.png", shares, title="run-x"))
 
 
-def _big_layout(n: int, world: int) -> ShareLayout:
-    """A padded layout from plain arrays (no sampler involved)."""
+def _big_shares(n: int, world: int) -> Shares:
+    """A padded shares from plain arrays (no sampler involved)."""
     per_rank = -(-n // world)
     slots = np.arange(per_rank * world)
     order = np.random.default_rng(0).permutation(n)[slots % n]
-    return ShareLayout(
+    return Shares(
         "padded",
         n,
         [order[r::world] for r in range(world)],
@@ -103,10 +103,10 @@ def _big_layout(n: int, world: int) -> ShareLayout:
 def test_large_n_is_summarised_not_drawn_cell_by_cell(tmp_path: Path) -> None:
     from matplotlib.figure import Figure
 
-    layout = _big_layout(1_000_000, 3)
-    _png_size(save_layout_png(tmp_path / "big.png", layout))
+    shares = _big_shares(1_000_000, 3)
+    _png_size(save_shares_png(tmp_path / "big.png", shares))
     fig = Figure()
-    draw_layout(fig.subplots(), layout)
+    draw_shares(fig.subplots(), shares)
     assert len(list(fig.findobj())) < 2000  # a summary, not a million cells
 
 
@@ -119,8 +119,8 @@ def test_coverage_of_a_clean_epoch_is_exactly_one_in_every_bin(
 ) -> None:
     """Bins of unequal width (1438 in 100: 14 or 15 indices) must not show fake spikes."""
     shuffle = SAMPLER_MODES[mode].shuffles
-    layout = layout_from_sampler(ShareSampler(range(n), world, 0, shuffle, 3, mode=mode))
-    edges, stacked = coverage_bins(layout)
+    shares = shares_from_sampler(ShareSampler(range(n), world, 0, shuffle, 3, mode=mode))
+    edges, stacked = coverage_bins(shares)
     assert edges[0] == 0 and edges[-1] == n and (np.diff(edges) >= 1).all()
     assert edges.dtype.kind == "i" and stacked.shape == (world, min(n, 100))
     assert (stacked[-1] == 1.0).all()
@@ -129,9 +129,9 @@ def test_coverage_of_a_clean_epoch_is_exactly_one_in_every_bin(
 
 @pytest.mark.parametrize(("mode", "sign"), [("padded", 1), ("drop_last", -1)])
 def test_coverage_shows_a_real_repeat_or_gap_in_its_bin_only(mode: str, sign: int) -> None:
-    layout = layout_from_sampler(ShareSampler(range(1439), 2, 0, True, 3, mode=mode))
-    edges, stacked = coverage_bins(layout)
-    odd = layout.ranks[1][-1] if mode == "padded" else layout.dropped()[0]  # the one off index
+    shares = shares_from_sampler(ShareSampler(range(1439), 2, 0, True, 3, mode=mode))
+    edges, stacked = coverage_bins(shares)
+    odd = shares.ranks[1][-1] if mode == "padded" else shares.dropped()[0]  # the one off index
     k = int(np.searchsorted(edges, odd, side="right")) - 1
     expected = np.ones(100)
     expected[k] += sign / (edges[k + 1] - edges[k])
@@ -141,11 +141,11 @@ def test_coverage_shows_a_real_repeat_or_gap_in_its_bin_only(mode: str, sign: in
 def test_import_is_light_and_drawing_leaves_pyplot_alone(tmp_path: Path) -> None:
     script = (
         "import sys, numpy as np\n"
-        "from ddp_template.sinks.share_plot import ShareLayout, save_layout_png\n"
+        "from ddp_template.sinks.share_plot import Shares, save_shares_png\n"
         "assert 'matplotlib' not in sys.modules, 'imported matplotlib eagerly'\n"
-        "lay = ShareLayout('padded', 3, [np.array([0, 2]), np.array([1, 0])],\n"
+        "sh = Shares('padded', 3, [np.array([0, 2]), np.array([1, 0])],\n"
         "                  [np.array([False, False]), np.array([False, True])])\n"
-        f"save_layout_png({str(tmp_path / 'x.png')!r}, lay)\n"
+        f"save_shares_png({str(tmp_path / 'x.png')!r}, sh)\n"
         "assert 'matplotlib.pyplot' not in sys.modules, 'switched pyplot backends'\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)

@@ -139,8 +139,8 @@ def assert_one_job_of_two_ranks(run_dir: Path, launcher: str) -> None:
         for k in (0, 1)
     ]
     assert fingerprints[0] != fingerprints[1], fingerprints
-    shards = [r for r in jsonl(run_dir / "rank0" / "metrics.jsonl") if "shards/coverage" in r]
-    assert [(r["shards/coverage"], r["shards/overlap"]) for r in shards] == [(1.0, 0)]
+    shards = [r for r in jsonl(run_dir / "rank0" / "metrics.jsonl") if "shares/coverage" in r]
+    assert [(r["shares/coverage"], r["shares/overlap"]) for r in shards] == [(1.0, 0)]
     assert f"launcher {launcher}: world size 2" in (run_dir / "train.log").read_text()
 
 

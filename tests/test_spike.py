@@ -66,7 +66,7 @@ def test_a_poisoned_sample_is_named_and_its_update_skipped(
     """Each epoch, the rank replay says read INDEX fires and names it first; every rank
     records its part of the step and skips its update, so training is sound; the verdict names
     the skipped samples and each rank's ledger counts them (data/spike_skipped)."""
-    logged = ["logger=wandb", "logger.layout=main"] if world == 2 else []  # one W&B run
+    logged = ["logger=wandb", "logger.runs=main"] if world == 2 else []  # one W&B run
     if world == 1:
         run_dir, said = request.getfixturevalue("one_rank")
     else:

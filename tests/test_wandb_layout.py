@@ -1,4 +1,4 @@
-"""The W&B layout choice, each rank's W&B settings, alerts and checkpoint artifacts, in-process.
+"""The W&B runs choice, each rank's W&B settings, alerts and checkpoint artifacts, in-process.
 
 The settings are W&B's own ``Settings`` objects (so W&B validates them); alerts and artifacts are
 read back from a real offline run.
@@ -20,7 +20,7 @@ from wandb_reader import find_runs
 
 from ddp_template.checks import check
 from ddp_template.config.boundary import typed
-from ddp_template.config.schema import LoggerConfig, SystemMetrics, WandbLayout, WandbMode
+from ddp_template.config.schema import LoggerConfig, SystemMetrics, WandbMode, WandbRuns
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import ConfigError
 from ddp_template.ledger.records import EpochReport
@@ -28,7 +28,7 @@ from ddp_template.ledger.tally import fingerprint_sum
 from ddp_template.ledger.verify import share_report
 from ddp_template.run_identity import RunInfo
 from ddp_template.sinks.metrics import RankLogger
-from ddp_template.sinks.wandb_run import SHARED_MIN_VERSION, _settings, choose_layout
+from ddp_template.sinks.wandb_run import SHARED_MIN_VERSION, _settings, choose_runs
 
 
 def rank(r: int, local_rank: int, world_size: int = 4) -> DistInfo:
@@ -45,24 +45,24 @@ def rank(r: int, local_rank: int, world_size: int = 4) -> DistInfo:
 
 def test_auto_is_per_rank_up_to_per_rank_max_then_main() -> None:
     cfg = LoggerConfig(per_rank_max=2)
-    assert choose_layout(cfg, 3).name == "main"
-    assert choose_layout(cfg, 3).reason == "auto: 3 ranks > logger.per_rank_max=2"
-    assert choose_layout(cfg, 2).name == "per_rank" and choose_layout(cfg, 1).name == "per_rank"
-    assert choose_layout(LoggerConfig(), 8).name == "per_rank"
-    assert choose_layout(LoggerConfig(), 9).name == "main"
-    for layout in ("per_rank", "main"):
-        assert choose_layout(LoggerConfig(layout=WandbLayout(layout)), 100).name == layout
+    assert choose_runs(cfg, 3).name == "main"
+    assert choose_runs(cfg, 3).reason == "auto: 3 ranks > logger.per_rank_max=2"
+    assert choose_runs(cfg, 2).name == "per_rank" and choose_runs(cfg, 1).name == "per_rank"
+    assert choose_runs(LoggerConfig(), 8).name == "per_rank"
+    assert choose_runs(LoggerConfig(), 9).name == "main"
+    for runs in ("per_rank", "main"):
+        assert choose_runs(LoggerConfig(runs=WandbRuns(runs)), 100).name == runs
 
 
 def test_shared_needs_online_and_a_new_enough_wandb() -> None:
-    online = LoggerConfig(layout=WandbLayout.shared, mode=WandbMode.online)
-    assert choose_layout(online, 2, installed=SHARED_MIN_VERSION).name == "shared"
-    old = choose_layout(online, 2, installed="0.19.1")
+    online = LoggerConfig(runs=WandbRuns.shared, mode=WandbMode.online)
+    assert choose_runs(online, 2, installed=SHARED_MIN_VERSION).name == "shared"
+    old = choose_runs(online, 2, installed="0.19.1")
     assert (old.name, old.fallback) == (
         "main",
         f"W&B's shared mode needs wandb>={SHARED_MIN_VERSION}, not 0.19.1",
     )
-    offline = choose_layout(LoggerConfig(layout=WandbLayout.shared), 2, installed="0.31.0")
+    offline = choose_runs(LoggerConfig(runs=WandbRuns.shared), 2, installed="0.31.0")
     assert offline.name == "main" and "logger.mode=online, not offline" in offline.fallback
 
 
@@ -72,17 +72,17 @@ def test_shared_needs_online_and_a_new_enough_wandb() -> None:
 def test_system_metrics_and_labels_per_rank(metrics: str, on: list[bool]) -> None:
     """2 nodes x 2 ranks: node samples on each node's local rank 0."""
     cfg = LoggerConfig(system_metrics=SystemMetrics(metrics))
-    layout = choose_layout(cfg, 4)
+    runs = choose_runs(cfg, 4)
     ranks = [rank(r, r % 2) for r in range(4)]
-    settings = [_settings(wandb, cfg, layout, info) for info in ranks]
+    settings = [_settings(wandb, cfg, runs, info) for info in ranks]
     assert [not s.x_disable_stats for s in settings] == on
     assert [s.x_label for s in settings] == ["rank0", "rank1", "rank2", "rank3"]
 
 
 def test_shared_settings_make_rank0_primary() -> None:
-    cfg = LoggerConfig(layout=WandbLayout.shared, mode=WandbMode.online)
-    layout = choose_layout(cfg, 4)
-    settings = [_settings(wandb, cfg, layout, rank(r, r % 2)) for r in range(4)]
+    cfg = LoggerConfig(runs=WandbRuns.shared, mode=WandbMode.online)
+    runs = choose_runs(cfg, 4)
+    settings = [_settings(wandb, cfg, runs, rank(r, r % 2)) for r in range(4)]
     assert [s.x_primary for s in settings] == [True, False, False, False]
     assert [s.x_update_finish_state for s in settings] == [True, False, False, False]
     assert [s.x_label for s in settings] == ["rank0", "rank1", "rank2", "rank3"]
@@ -125,11 +125,11 @@ def test_alerts_once_and_best_checkpoint_versions(
     logger.finish()
     wandb.teardown()  # as at process exit: W&B's service has written the whole file
     warnings = [r.getMessage() for r in caplog.records]
-    assert sum("SHARD MISMATCH in epoch" in m for m in warnings) == 2
+    assert sum("SHARE MISMATCH in epoch" in m for m in warnings) == 2
     assert sum("STRAGGLER in epoch" in m for m in warnings) == 2
     (wb,) = find_runs(tmp_path)
     assert [(a["title"], a["level"]) for a in wb.alerts] == [
-        ("SHARD MISMATCH", "WARN"),
+        ("SHARE MISMATCH", "WARN"),
         ("STRAGGLER", "WARN"),
     ]
     assert wb.alerts[1]["text"].startswith("epoch 1: rank 0's step time is 2.00x")
@@ -178,14 +178,14 @@ def test_shared_mode_that_cannot_reach_a_server(
     for var in ("HOME", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_CACHE_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "home"))
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # a closed local port
-    cfg = LoggerConfig(layout=WandbLayout.shared, mode=WandbMode.online)
+    cfg = LoggerConfig(runs=WandbRuns.shared, mode=WandbMode.online)
     logger = RankLogger(
         cfg=cfg,
         run=RunInfo(run_id="shared", run_dir=tmp_path),
         info=rank(r, r, world_size=2),
         config={"sampler": {"mode": "padded"}},
     )
-    assert logger.layout.name == "shared"
+    assert logger.runs.name == "shared"
     logger.ready()
     started = logger.wandb is not None
     logger.finish()
@@ -194,7 +194,7 @@ def test_shared_mode_that_cannot_reach_a_server(
     if r == 0:
         assert started and len(warnings) == 1 and "logging offline instead" in warnings[0]
         (wb,) = find_runs(tmp_path)
-        assert (wb.name, wb.config["wandb_layout"]) == ("shared", "shared")
+        assert (wb.name, wb.config["wandb_runs"]) == ("shared", "shared")
     else:
         assert not started and len(warnings) == 1 and "metrics.jsonl only" in warnings[0]
         assert not find_runs(tmp_path)

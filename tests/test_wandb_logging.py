@@ -1,10 +1,10 @@
-"""W&B runs read back from the offline files: who saw what, per sampler mode and layout.
+"""W&B runs read back from the offline files: who saw what, per sampler mode and W&B runs choice.
 
 The expected per-rank samples and fingerprints are recomputed here from torch's own
 DistributedSampler (padded, drop_last) and from the definition in docs/ARCHITECTURE.md
 (sequential), so a template that shards wrongly, forgets set_epoch or logs the wrong rank fails
-these tests. The sampler-mode runs use the default layout (per_rank for 2 ranks); the one-run
-layout gets one short run (shared offline, which falls back to main).
+these tests. The sampler-mode runs use the default logger.runs (per_rank for 2 ranks); the one-run
+runs choice gets one short run (shared offline, which falls back to main).
 """
 
 from __future__ import annotations
@@ -103,13 +103,13 @@ def test_duplicates_coverage_and_overlap(mode_run) -> None:
         "sequential": (1.0, 1, [0, 1]),
     }[mode]
     coverage, overlap, dups = expect
-    report = rows_with(runs[0], "shards/coverage")
+    report = rows_with(runs[0], "shares/coverage")
     assert len(report) == EPOCHS
     for row in report:
-        assert row["shards/coverage"] == pytest.approx(coverage)
-        assert row["shards/overlap"] == overlap
-        assert row["shards/verdict_ok"] == 1
-    assert not rows_with(runs[1], "shards/coverage")  # the report is rank 0's
+        assert row["shares/coverage"] == pytest.approx(coverage)
+        assert row["shares/overlap"] == overlap
+        assert row["shares/verdict_ok"] == 1
+    assert not rows_with(runs[1], "shares/coverage")  # the report is rank 0's
     for r, wb in enumerate(runs):
         assert {x["data/duplicates"] for x in rows_with(wb, "data/samples")} == {dups[r]}
 
@@ -127,12 +127,12 @@ def test_interval_rows_share_one_step_axis(mode_run) -> None:
         ]
 
 
-def test_per_rank_layout_system_metrics_and_checkpoints(mode_run) -> None:
+def test_per_rank_runs_system_metrics_and_checkpoints(mode_run) -> None:
     """auto picks per_rank for 2 ranks; stats on local rank 0 only; last.pt as an artifact."""
     _, run_dir, runs = mode_run
     log = (run_dir / "train.log").read_text()
-    assert "W&B layout per_rank (auto: 2 ranks <= logger.per_rank_max=8)" in log
-    assert [(wb.config["wandb_layout"], wb.config["system_metrics"]) for wb in runs] == [
+    assert "W&B runs per_rank (auto: 2 ranks <= logger.per_rank_max=8)" in log
+    assert [(wb.config["wandb_runs"], wb.config["system_metrics"]) for wb in runs] == [
         ("per_rank", True),
         ("per_rank", False),
     ]
@@ -205,7 +205,7 @@ def test_one_run_holds_every_rank(tmp_path: Path) -> None:
     proc = run(
         train_cmd(
             tmp_path,
-            "logger.layout=shared",
+            "logger.runs=shared",
             "dist.nproc=2",
             "epochs=1",
             "data=synthetic",
@@ -218,13 +218,13 @@ def test_one_run_holds_every_rank(tmp_path: Path) -> None:
     )
     (run_dir,) = run_dirs(tmp_path)
     out = proc.stdout + proc.stderr
-    assert "W&B layout main (logger.layout=shared, fallen back" in out
-    warning = "logger.layout=shared falls back to main: W&B's shared mode needs logger.mode=online"
+    assert "W&B runs main (logger.runs=shared, fallen back" in out
+    warning = "logger.runs=shared falls back to main: W&B's shared mode needs logger.mode=online"
     assert out.count(warning) == 1
     (wb,) = find_runs(run_dir)  # rank 1 starts no W&B run
     assert wb.path.is_relative_to(run_dir / "rank0" / "wandb")
     assert (wb.group, wb.name, wb.job_type) == (run_dir.name, run_dir.name, "main")
-    assert (wb.config["wandb_layout"], wb.config["world_size"]) == ("main", 2)
+    assert (wb.config["wandb_runs"], wb.config["world_size"]) == ("main", 2)
     assert wb.labels == {"rank0"}  # system metrics: local rank 0
     (row,) = rows_with(wb, "data/samples/rank1")
     want = expected_lists("padded", 0)
@@ -234,7 +234,7 @@ def test_one_run_holds_every_rank(tmp_path: Path) -> None:
         fp = fingerprint(np.array(want[r]))
         assert row[f"data/fingerprint/rank{r}"] == mine["data/fingerprint"] == fp
         assert row[f"perf/step_s/rank{r}"] == mine["perf/step_s"]
-    (path,) = [x["shards/report.path"] for x in rows_with(wb, "shards/report.path")]
+    (path,) = [x["shares/report.path"] for x in rows_with(wb, "shares/report.path")]
     table = json.loads((wb.path.parent / "files" / path).read_text())
     rows = [dict(zip(table["columns"], values, strict=True)) for values in table["data"]]
     assert [(x["rank"], x["data/fingerprint"], x["matches"]) for x in rows] == [

@@ -13,7 +13,7 @@ from typing import Any
 from ddp_template.data.sampler_state import check_order
 from ddp_template.engine import Trainer, TrainState
 from ddp_template.errors import Misfit
-from ddp_template.ledger.records import PriorSegment, SavedLedger, Tallied
+from ddp_template.ledger.records import PriorStretch, SavedLedger, Tallied
 from ddp_template.ledger.tally import join_ledgers
 
 
@@ -24,20 +24,20 @@ class Progress:
     position becomes a prefix of the epoch instead: ``load_resized``)."""
 
     state: TrainState
-    trainer: Trainer  # its schedule: the steps the position stands for
+    trainer: Trainer  # its EpochSteps: the steps the position stands for
 
     def state_dict(self) -> dict[str, Any]:
-        s, schedule = self.state, self.trainer.schedule
-        assert schedule is not None  # set by the build before a checkpoint
-        done = schedule.steps_done(s.position)
+        s, epoch_steps = self.state, self.trainer.schedule
+        assert epoch_steps is not None  # set by the build before a checkpoint
+        done = epoch_steps.steps_done(s.position)
         return {
             "epoch": s.epoch,
             "step": s.step,
             "position": s.position,
-            "accumulate": schedule.accumulate,
-            "batch_size": schedule.batch_size,
-            "segment_steps": done,  # steps of the epoch at this world size
-            "complete": done >= schedule.steps_per_epoch,  # its last step has run
+            "accumulate": epoch_steps.accumulate,
+            "batch_size": epoch_steps.batch_size,
+            "stretch_steps": done,  # steps of the epoch at this world size
+            "complete": done >= epoch_steps.steps_per_epoch,  # its last step has run
             "prior": s.prior,
         }
 
@@ -47,14 +47,14 @@ class Progress:
         s = self.state
         s.epoch, s.step, s.prior, s.position = saved["epoch"], saved["step"], saved["prior"], 0
         if saved["position"]:
-            prefix = PriorSegment(
+            prefix = PriorStretch(
                 world_size=world_size,
                 position=saved["position"],
                 complete=saved["complete"],
-                steps=saved["segment_steps"],
+                steps=saved["stretch_steps"],
                 batch_size=saved["batch_size"],
                 accumulate=saved["accumulate"],
-                first_step=saved["step"] - saved["segment_steps"] + 1,
+                first_step=saved["step"] - saved["stretch_steps"] + 1,
                 ledgers=None,  # the old ranks' (Ledger.load_resized)
             )
             s.prior = [*saved["prior"], prefix]

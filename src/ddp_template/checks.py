@@ -147,7 +147,7 @@ def _check_tolerance(cfg: Config) -> None:
     )
     require(
         str(cfg.parallel.name) == "ddp",
-        f"fault_tolerance=live rebuilds DDP after a regroup and does not reshard "
+        f"fault_tolerance=live rebuilds DDP after a regroup and does not re-slice "
         f"parallel={cfg.parallel.name}; use parallel=ddp, or fault_tolerance=off.",
     )
     require(

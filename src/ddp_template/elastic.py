@@ -6,7 +6,7 @@ the parts that are the same on every rank load as they are, the per-rank parts a
 ranks travel with the epoch, each new rank's RNGs start as a fresh rank's). What this module
 owns is the optimizer's view: with ``elastic.global_batch=keep`` the global batch
 ``batch_size x W x accumulate`` stays, so steps per epoch and the LR schedule go on as if
-nothing happened; with ``scale`` the per-rank batch stays and the schedule is re-derived.
+nothing happened; with ``scale`` the per-rank batch stays and the LR schedule is re-derived.
 """
 
 from __future__ import annotations
@@ -143,18 +143,18 @@ def _batch_at(
     return per_rank // steps, steps
 
 
-SEGMENTS = "segments.json"
-_LAYOUT = ("world_size", "batch_size", "accumulate")
+STRETCHES = "stretches.json"
+_SHAPE = ("world_size", "batch_size", "accumulate")
 
 
-def record_segment(run_dir: Path, *, cfg: Config, state: Any, world_size: int) -> None:
-    """``<run_dir>/segments.json``: every stretch of the run at one (world size, batch,
+def record_stretch(run_dir: Path, *, cfg: Config, state: Any, world_size: int) -> None:
+    """``<run_dir>/stretches.json``: every stretch of the run at one (world size, batch,
     accumulate), from its first step, with the prefixes of its first epoch read before it, so
-    ``replay`` answers across a resize. Segments past the step resumed at (trained, then lost
+    ``replay`` answers across a resize. Stretches past the step resumed at (trained, then lost
     with the checkpoint that was not written) are dropped."""
-    path = run_dir / SEGMENTS
-    kept = [s for s in read_segments(run_dir) if s["first_step"] <= state.step]
-    segment = {
+    path = run_dir / STRETCHES
+    kept = [s for s in read_stretches(run_dir) if s["first_step"] <= state.step]
+    stretch = {
         "first_step": state.step + 1,
         "epoch": state.epoch,
         "position": state.position,
@@ -163,13 +163,13 @@ def record_segment(run_dir: Path, *, cfg: Config, state: Any, world_size: int) -
         "accumulate": cfg.optim.accumulate,
         "prior": [{k: v for k, v in p.items() if k != "ledgers"} for p in state.prior],
     }
-    same = bool(kept) and all(kept[-1][k] == segment[k] for k in _LAYOUT)
-    rows = kept + ([] if same else [segment])
+    same = bool(kept) and all(kept[-1][k] == stretch[k] for k in _SHAPE)
+    rows = kept + ([] if same else [stretch])
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(rows, indent=1) + "\n")
     os.replace(tmp, path)
 
 
-def read_segments(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / SEGMENTS
+def read_stretches(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / STRETCHES
     return json.loads(path.read_text()) if path.is_file() else []

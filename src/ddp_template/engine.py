@@ -32,7 +32,7 @@ from ddp_template.amp import autocast
 from ddp_template.data.contract import batch_len, empty_batch, to_device
 from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.distributed import DistInfo
-from ddp_template.ledger.records import PriorSegment, SavedLedger
+from ddp_template.ledger.records import PriorStretch, SavedLedger
 from ddp_template.ledger.tally import IndexTally
 from ddp_template.parallel import Parallel, ddp_of, uncompiled
 from ddp_template.task import Task
@@ -73,7 +73,7 @@ class TrainState:
     # The ledger of the current epoch's part read before a resume (from the checkpoint).
     carried: SavedLedger | None = None
     # The current epoch's prefixes read at other world sizes, oldest first (elastic resume).
-    prior: list[PriorSegment] = field(default_factory=list)
+    prior: list[PriorStretch] = field(default_factory=list)
     # The micro-batches of the step in flight (indices, worker...): they join the tally once
     # the step commits, so a step broken by a lost rank leaves no trace (fault_tolerance=live).
     held: list[tuple] = field(default_factory=list)
@@ -234,7 +234,7 @@ def train_one_epoch(
     on_step: StepHook,
     on_interval: Callable[[dict[str, float], int], None],
 ) -> EpochStats:
-    """One pass over this rank's shard from ``state.position``; updates ``state`` in place."""
+    """One pass over this rank's share from ``state.position``; updates ``state`` in place."""
     tr.model.train()
     stats = EpochStats(new_tally(tr, state.position))
     state.tally = stats.tally

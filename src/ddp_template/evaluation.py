@@ -1,6 +1,6 @@
 """Exact evaluation, and which split is evaluated when, of which weights, under which names.
 
-``evaluate`` adds up the task's sums (``task.Task``) over unpadded shards and all-reduces them,
+``evaluate`` adds up the task's sums (``task.Task``) over unpadded shares and all-reduces them,
 so a run on any number of ranks reports the single-process numbers. Where a forward is a
 collective (``parallel=fsdp2`` all-gathers each unit's parameters), every rank runs as many
 forwards as the rank with the most batches: the others' extra forwards are of empty batches,
@@ -51,13 +51,13 @@ def evaluate(
     *,
     lockstep: bool = False,
 ) -> EvalResult:
-    """Exact evaluation: unpadded shards, the task's sums all-reduced.
+    """Exact evaluation: unpadded shares, the task's sums all-reduced.
 
     ``module`` is the unwrapped model: a DDP forward may run collectives (buffer broadcast,
-    SyncBN), and ranks with different (or empty) shards would then deadlock or mismatch. A rank
-    whose shard is empty still updates the task with one empty batch, so a torchmetrics state
+    SyncBN), and ranks with different (or empty) shares would then deadlock or mismatch. A rank
+    whose share is empty still updates the task with one empty batch, so a torchmetrics state
     it concatenates has a (zero-length) tensor to sync like every other rank's. ``lockstep``:
-    every rank runs as many forwards (the most any rank's shard needs).
+    every rank runs as many forwards (the most any rank's share needs).
     """
     sync_buffers(module, info)
     was_training = module.training

@@ -175,7 +175,7 @@ def _agent_keeping(exits: _Exits) -> Iterator[None]:
 
 
 def _exit_codes(agent: Any, worker_group: Any) -> dict[int, int]:
-    """global rank -> exit code of every worker of a failed group; {} if torch's layout changed."""
+    """global rank -> exit code of every worker of a failed group; {} if torch's own changed."""
     try:
         processes = agent._pcontext._pc.processes  # MultiprocessContext -> mp.ProcessContext
         codes = {w.global_rank: processes[w.local_rank].exitcode for w in worker_group.workers}

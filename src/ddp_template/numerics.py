@@ -50,7 +50,7 @@ def describe() -> str:
 
 def to_channels_last(model: nn.Module) -> None:
     """Weights in NHWC and every 4-D input batch converted on the way in (train and eval), so
-    cuDNN runs its channels-last kernels without a layout change inside each convolution."""
+    cuDNN runs its channels-last kernels without a memory-format change inside each convolution."""
     if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         raise ConfigError(
             f"numerics.channels_last=true needs a model with 2-D convolutions but "

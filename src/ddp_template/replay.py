@@ -15,9 +15,9 @@ evaluates only the step's positions: O(batch) time and memory at any N (randperm
 N = 2^24 unless configured otherwise, costs its O(N) permutation as in training). Steps are
 numbered as the logs number them (the first optimizer step is 1); a resumed run keeps the
 numbering, because it resumes at the exact position it stopped at. A run resumed at another
-world size records its segments (``segments.json``: from which step it ran at which world size,
+world size records its stretches (``stretches.json``: from which step it ran at which world size,
 batch and accumulation, and which prefixes of that epoch came before), and each step is
-replayed in its own segment's layout. ``--index`` is O(1) per
+replayed in its own stretch's deal. ``--index`` is O(1) per
 epoch for Feistel or unshuffled runs and O(N) per epoch for randperm, refused beyond
 ``INDEX_MAX_RANDPERM`` permuted elements in all (minutes of work).
 """
@@ -49,7 +49,7 @@ from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShareSampler
 from ddp_template.data.transforms import apply_transforms
 from ddp_template.distributed import DistInfo
-from ddp_template.elastic import read_segments
+from ddp_template.elastic import read_stretches
 from ddp_template.errors import ConfigError, Misfit, command
 from ddp_template.kind import DataKind, kind_of
 from ddp_template.models import build_model, weights_part
@@ -63,8 +63,8 @@ INDEX_MAX_RANDPERM = 2**28  # N x epochs for --index under randperm: ~10 s on a 
 
 @dataclass(frozen=True, kw_only=True)
 class Piece:
-    """One epoch (or the part of it) one segment of the run trained: steps ``first_step`` on
-    are its schedule's steps ``first_k`` on, ``steps`` of them, by ``sampler`` (rank 0's)."""
+    """One epoch (or the part of it) one stretch of the run trained: steps ``first_step`` on
+    are its epoch's steps ``first_k`` on, ``steps`` of them, by ``sampler`` (rank 0's)."""
 
     epoch: int
     first_step: int
@@ -72,12 +72,12 @@ class Piece:
     steps: int
     world_size: int
     sampler: ShareSampler
-    schedule: EpochSteps
+    epoch_steps: EpochSteps
 
     def span(self) -> tuple[int, int]:
         """The positions of every rank's list this piece read."""
         first, last = self.first_k, self.first_k + self.steps - 1
-        return self.schedule.span(first)[0], self.schedule.span(last)[1]
+        return self.epoch_steps.span(first)[0], self.epoch_steps.span(last)[1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,10 +86,10 @@ class Run:
 
     run_dir: Path
     cfg: Config
-    world_size: int  # the first segment's
+    world_size: int  # the first stretch's
     splits: Splits  # the run's data, built from its config
     kind: DataKind  # the training data's kind: it builds the sampler
-    schedule: EpochSteps  # the first segment's epochs
+    epoch_steps: EpochSteps  # the first stretch's epochs
     pieces: tuple[Piece, ...] = ()
 
     @property
@@ -124,12 +124,12 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
     if not run_dir.is_dir():
         raise ConfigError(f"run dir {run_dir} does not exist; pass the directory of a run.")
     cfg = _config(run_dir)
-    segments = read_segments(run_dir)
-    world = _world_size(run_dir, world_size, segments)
+    stretches = read_stretches(run_dir)
+    world = _world_size(run_dir, world_size, stretches)
     splits = build_splits(cfg.data)
     train = cast(MapData, splits.train)  # replay: planned data
     rule = SAMPLER_MODES[str(cfg.sampler.mode)]
-    schedule = EpochSteps.of_run(
+    epoch_steps = EpochSteps.of_run(
         cfg,
         length=rule.length(len(train), world),
         rank_lengths=tuple(rule.rank_length(len(train), r, world) for r in range(world)),
@@ -140,36 +140,36 @@ def load_run(run_dir: Path, world_size: int | None = None) -> Run:
         world_size=world,
         splits=splits,
         kind=kind_of(splits),
-        schedule=schedule,
+        epoch_steps=epoch_steps,
     )
     first = {"first_step": 1, "epoch": 0, "position": 0, "world_size": world, "prior": []}
     first |= {"batch_size": cfg.loader.batch_size, "accumulate": cfg.optim.accumulate}
-    return dataclasses.replace(run, pieces=tuple(_pieces(run, segments or [first])))
+    return dataclasses.replace(run, pieces=tuple(_pieces(run, stretches or [first])))
 
 
-def _pieces(run: Run, segments: list[dict[str, Any]]) -> list[Piece]:
-    """Every segment's epochs, each the steps it trained before the next segment began."""
+def _pieces(run: Run, stretches: list[dict[str, Any]]) -> list[Piece]:
+    """Every stretch's epochs, each the steps it trained before the next stretch began."""
     pieces = []
-    for i, seg in enumerate(segments):
-        end = segments[i + 1]["first_step"] if i + 1 < len(segments) else None
-        loader = dataclasses.replace(run.cfg.loader, batch_size=seg["batch_size"])
-        optim = dataclasses.replace(run.cfg.optim, accumulate=seg["accumulate"])
+    for i, stretch in enumerate(stretches):
+        end = stretches[i + 1]["first_step"] if i + 1 < len(stretches) else None
+        loader = dataclasses.replace(run.cfg.loader, batch_size=stretch["batch_size"])
+        optim = dataclasses.replace(run.cfg.optim, accumulate=stretch["accumulate"])
         cfg = dataclasses.replace(run.cfg, loader=loader, optim=optim)
         step, epoch, prior, position = (
-            seg["first_step"],
-            seg["epoch"],
-            seg["prior"],
-            seg["position"],
+            stretch["first_step"],
+            stretch["epoch"],
+            stretch["prior"],
+            stretch["position"],
         )
         while epoch < cfg.epochs and (end is None or step < end):
-            sampler = run.sampler(0, seg["world_size"])
+            sampler = run.sampler(0, stretch["world_size"])
             sampler.set_epoch(epoch)
             if prior:
                 sampler.continue_epoch(epoch, prior)
             steps_before = sum(p["steps"] for p in prior)
-            schedule = EpochSteps.of_sampler(cfg, sampler, steps_before=steps_before)
-            first_k = schedule.steps_done(position)
-            steps = schedule.steps_per_epoch - first_k
+            epoch_steps = EpochSteps.of_sampler(cfg, sampler, steps_before=steps_before)
+            first_k = epoch_steps.steps_done(position)
+            steps = epoch_steps.steps_per_epoch - first_k
             steps = steps if end is None else min(steps, end - step)
             if steps > 0:
                 piece = Piece(
@@ -177,9 +177,9 @@ def _pieces(run: Run, segments: list[dict[str, Any]]) -> list[Piece]:
                     first_step=step,
                     first_k=first_k,
                     steps=steps,
-                    world_size=seg["world_size"],
+                    world_size=stretch["world_size"],
                     sampler=sampler,
-                    schedule=schedule,
+                    epoch_steps=epoch_steps,
                 )
                 pieces.append(piece)
             step, epoch, prior, position = step + steps, epoch + 1, [], 0
@@ -206,10 +206,10 @@ def _config(run_dir: Path) -> Config:
     return boundary.typed(merged)
 
 
-def _world_size(run_dir: Path, given: int | None, segments: list[dict[str, Any]]) -> int:
-    """The (first segment's) world size: recorded, or ``given`` for a run dir without one."""
-    recorded = segments[0]["world_size"] if segments else _recorded_world_size(run_dir)
-    sizes = " → ".join(str(s["world_size"]) for s in segments) or str(recorded)
+def _world_size(run_dir: Path, given: int | None, stretches: list[dict[str, Any]]) -> int:
+    """The (first stretch's) world size: recorded, or ``given`` for a run dir without one."""
+    recorded = stretches[0]["world_size"] if stretches else _recorded_world_size(run_dir)
+    sizes = " → ".join(str(s["world_size"]) for s in stretches) or str(recorded)
     if given is None:
         if recorded is None:
             raise ConfigError(
@@ -261,11 +261,11 @@ def piece_of(run: Run, step: int) -> Piece:
 def step_rows(run: Run, step: int) -> list[dict[str, Any]]:
     """Each rank's epoch, position and dataset indices at optimizer step ``step``."""
     piece = piece_of(run, step)
-    schedule, sampler = piece.schedule, piece.sampler  # index_at takes the rank
-    start, stop = schedule.span(piece.first_k + step - piece.first_step)
+    epoch_steps, sampler = piece.epoch_steps, piece.sampler  # index_at takes the rank
+    start, stop = epoch_steps.span(piece.first_k + step - piece.first_step)
     rows = []
     for rank in range(piece.world_size):
-        positions = np.arange(start, stop, dtype=np.int64)[: schedule.held(rank, start, stop)]
+        positions = np.arange(start, stop, dtype=np.int64)[: epoch_steps.held(rank, start, stop)]
         indices = sampler.index_at(positions, rank)  # `exact`: a shorter list may end here
         row: dict[str, Any] = {"step": step, "rank": rank, "epoch": piece.epoch, "position": start}
         row["world_size"] = piece.world_size
@@ -293,7 +293,7 @@ def index_hits(run: Run, index: int) -> list[dict[str, int]]:
         ranks, positions = piece.sampler.locate(index)
         lo, hi = piece.span()
         read = (positions >= lo) & (positions < hi)
-        steps = piece.first_step + positions[read] // piece.schedule.step_size - piece.first_k
+        steps = piece.first_step + positions[read] // piece.epoch_steps.step_size - piece.first_k
         for rank, position, step in zip(ranks[read], positions[read], steps, strict=True):
             hit = {"epoch": piece.epoch, "step": int(step), "rank": int(rank)}
             hits.append(hit | {"position": int(position), "world_size": piece.world_size})
@@ -332,7 +332,7 @@ def step_losses(run: Run, rows: list[dict[str, Any]], checkpoint: Path) -> str:
     task = build_task(cfg.task)
     task.setup(splits.info, torch.device("cpu"))
     model.train()
-    size = piece_of(run, first["step"]).schedule.batch_size
+    size = piece_of(run, first["step"]).epoch_steps.batch_size
     ranks = payload["ranks"] if payload["world_size"] == first["world_size"] else None
     for row in rows:
         if ranks is not None:  # the RNG this rank's forwards drew from (dropout)
@@ -357,8 +357,8 @@ def _print_step(run: Run, rows: list[dict[str, Any]], as_json: bool) -> None:
     rest = " of the rest after a resize" if piece.sampler.prior else ""
     print(
         f"{run.run_dir}: step {first['step']} of {run.total_steps} = epoch {first['epoch']}, "
-        f"step {k} of {piece.schedule.steps_per_epoch}{rest}; {piece.world_size} ranks, "
-        f"batch_size {piece.schedule.batch_size} x accumulate {piece.schedule.accumulate}"
+        f"step {k} of {piece.epoch_steps.steps_per_epoch}{rest}; {piece.world_size} ranks, "
+        f"batch_size {piece.epoch_steps.batch_size} x accumulate {piece.epoch_steps.accumulate}"
     )
     for row in rows:
         print(f"rank {row['rank']}: epoch {row['epoch']}, position {row['position']}: ", end="")

@@ -8,7 +8,7 @@ What "synchronised" means, and the distributed subtleties that follow from it:
 
 * **Training forward** normalises with the mean/variance of the *global* batch (all ranks of
   the process group), as if one process had seen every sample. Ranks may hold different
-  numbers of samples (a ragged last batch, uneven shards, even an empty batch), so per-rank
+  numbers of samples (a ragged last batch, uneven shares, even an empty batch), so per-rank
   statistics are combined weighted by their counts (Chan et al.'s parallel variance, the same
   result as torch's ``batch_norm_gather_stats_with_counts``). Averaging per-rank means
   unweighted would be wrong whenever counts differ.
@@ -20,7 +20,7 @@ What "synchronised" means, and the distributed subtleties that follow from it:
 * **Running statistics** are updated from the global mean and the global *unbiased* variance,
   so they are identical on every rank and match a single-process run on the whole batch.
 * **Eval mode runs no collective**: it normalises with the running statistics, exactly like
-  plain BN. That is what makes exact sharded evaluation possible (ranks may run different
+  plain BN. That is what makes exact evaluation possible (ranks may run different
   numbers of eval batches, or only rank 0 evaluates) without hanging.
 * Statistics are computed in float32 (or float64 for float64 input) even when autocast feeds
   bf16/fp16 activations; the output has the input's dtype.

@@ -6,7 +6,7 @@ empty one, so the engine's exact weights keep meaning "the mean over the step's 
 the evaluation state as a vector of **sums** the evaluation all-reduces, the metrics computed
 from those sums, the direction each metric improves in (what ``selection.monitor`` may name,
 the sweep's direction), and any torchmetrics metrics its YAML lists (``metrics:``), which run
-on the unpadded evaluation shards and sync their own states. The engine and the evaluation know
+on the unpadded evaluation shares and sync their own states. The engine and the evaluation know
 none of it. Readers: ``engine`` (``loss``), ``spike`` (``sample_losses``),
 ``evaluation.evaluate`` (``begin``, ``sums``, ``update``, ``result``), ``config.boundary``
 (``directions``), ``train`` (``setup``, the objective), ``run_identity`` (the sweep's

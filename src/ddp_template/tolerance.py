@@ -34,7 +34,7 @@ class Start(NamedTuple):
     found: Found | None  # a replacement's state, handed over by the survivors it joined
 
 
-class Segment(NamedTuple):
+class Held(NamedTuple):
     """What a survivor held when its group broke: the run's parts, as a checkpoint names them."""
 
     ckpt: Any  # checkpoint.Checkpointer
@@ -53,7 +53,7 @@ class Tolerance(Protocol):
         """After ``exc`` broke the loop (this rank's weights at ``step``): its place among the
         regrouped ranks, or None (no rank was lost: ``exc`` is the run's own failure)."""
 
-    def handover(self, held: Segment, info: DistInfo) -> Found:
+    def handover(self, held: Held, info: DistInfo) -> Found:
         """The state every member continues from, as an in-memory checkpoint (a collective of
         the regrouped ranks)."""
 
@@ -73,7 +73,7 @@ class Restart:
     def recover(self, exc: BaseException, step: int) -> DistInfo | None:
         return None
 
-    def handover(self, held: Segment, info: DistInfo) -> Found:
+    def handover(self, held: Held, info: DistInfo) -> Found:
         raise AssertionError("the restart path hands nothing over")  # recover returned None
 
 

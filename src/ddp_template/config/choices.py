@@ -74,7 +74,7 @@ class WandbMode(Choice):
     disabled = "disabled"
 
 
-class WandbLayout(Choice):
+class WandbRuns(Choice):
     auto = "auto"
     per_rank = "per_rank"
     main = "main"

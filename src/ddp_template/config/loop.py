@@ -34,7 +34,7 @@ class ParallelConfig:
     units: list[str] | None = None
     reshard_after_forward: bool = True  # free the gathered parameters after each forward
     offload: bool = False  # keep the slices and the optimizer state in CPU memory (CUDA runs)
-    replicate: int = 1  # HSDP: groups of ranks holding whole copies (a replicate x shard mesh)
+    replicate: int = 1  # HSDP: groups of ranks holding whole copies (a replicate x slice mesh)
 
     def check(self) -> None:
         if self.name == Parallelism.ddp:
@@ -51,7 +51,7 @@ class ParallelConfig:
         if self.replicate < 1:
             raise ConfigError(
                 f"parallel.replicate={self.replicate} must be >= 1 (1: one group of ranks that "
-                f"shards; 2: two groups, each holding a whole copy, e.g. one per node)."
+                f"slices the model; 2: two groups, each holding a whole copy, e.g. one per node)."
             )
         for pattern in self.units or ():
             if not pattern:

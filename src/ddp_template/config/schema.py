@@ -37,8 +37,8 @@ from ddp_template.config.choices import (
     SystemMetrics,
     Tolerance,
     Uneven,
-    WandbLayout,
     WandbMode,
+    WandbRuns,
 )
 from ddp_template.config.loop import (
     DDPConfig,
@@ -158,7 +158,7 @@ class LoggerConfig:
     project: str = "ddp-template"
     entity: str | None = None
     tags: list[str] = field(default_factory=list)
-    layout: WandbLayout = WandbLayout.auto  # auto: per_rank up to per_rank_max ranks, else main
+    runs: WandbRuns = WandbRuns.auto  # auto: per_rank up to per_rank_max ranks, else main
     per_rank_max: int = 8
     system_metrics: SystemMetrics = SystemMetrics.node  # node: local rank 0 of each node
     log_checkpoints: LogCheckpoints = LogCheckpoints.none
@@ -168,7 +168,7 @@ class LoggerConfig:
         if self.per_rank_max < 1:
             raise ConfigError(
                 f"logger.per_rank_max={self.per_rank_max} must be >= 1 (ranks that get a W&B "
-                f"run each under logger.layout=auto); e.g. logger.per_rank_max=8."
+                f"run each under logger.runs=auto); e.g. logger.per_rank_max=8."
             )
         alert = self.straggler_alert
         if alert is not None and alert <= 1:
@@ -305,8 +305,8 @@ class Config:
     log_every: int = 10  # steps between interval logs
     resume: str = "auto"  # auto | never | <path to a checkpoint>
     share_report_max_n: int = 10_000_000  # ranks keep their indices for a mismatch's report
-    # Rank 0 draws epoch 0's layout into <run_dir>/shares.png (and W&B's shards/layout):
-    # matplotlib in a background thread, about a second of CPU. Streams have no layout.
+    # Rank 0 draws epoch 0's shares into <run_dir>/shares.png (and W&B's shares/picture):
+    # matplotlib in a background thread, about a second of CPU. Streams have no picture.
     share_picture: bool = True
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
     # The split of the final evaluation (summary.json): test, val (data.val_fraction > 0) or

@@ -7,11 +7,11 @@ The contract every ``data`` option keeps (and that this module shows end to end)
    inputs, and the training loop counts, fingerprints and reports them per rank
    (``data/samples``, ``data/fingerprint``, ``data/first_index``… in ``rank<r>/metrics.jsonl``
    and W&B). That is how a rank's log says *which* samples it saw — the number that exposes
-   overlapping shards or a forgotten ``set_epoch`` — whatever sampler or worker count ran.
+   overlapping shares or a forgotten ``set_epoch`` — whatever sampler or worker count ran.
    :class:`~ddp_template.data.contract.IndexedTensors` does this for in-memory tensors;
    :class:`~ddp_template.data.contract.WithIndex` wraps any ``(x, y)`` dataset.
 2. **Splits are given, not drawn.** A data factory (the YAML's ``_target_``) returns
-   ``Splits(train, test, info)``. The ShareSampler shards ``train`` across ranks; ``test`` is
+   ``Splits(train, test, info)``. The ShareSampler deals ``train`` across ranks; ``test`` is
    split exactly (no padding) for evaluation. ``info = DataInfo(num_classes, in_channels,
    image_size)`` is what the model factory receives, so the model fits the data.
 3. **Bad input is a ConfigError** naming the key (``data.path``), the bad value and the fix.
@@ -28,7 +28,7 @@ Worked example — 8x8 one-channel images stored as flat CSV rows::
     EOF
     python train.py data=array data.path=/tmp/toy data.image_shape=[1,8,8]
 
-Accepted layouts for ``data.path``:
+Accepted formats for ``data.path``:
 
 * ``<file>.npz`` with arrays ``x_train``, ``y_train``, ``x_test``, ``y_test``; ``x_*`` may be
   flat ``(N, F)``, ``(N, H, W)`` or ``(N, C, H, W)``.

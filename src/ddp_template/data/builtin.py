@@ -48,7 +48,7 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
         if spec and spec.origin
         else None
     )
-    if csv is None or not csv.is_file():  # another layout: scikit-learn's own reader
+    if csv is None or not csv.is_file():  # other files: scikit-learn's own reader
         from sklearn.datasets import load_digits
 
         bunch = load_digits()
@@ -90,7 +90,7 @@ def _diabetes_arrays() -> tuple[np.ndarray, np.ndarray]:
     folder = Path(spec.origin).parent / "datasets" / "data" if spec and spec.origin else None
     names = ("diabetes_data_raw.csv.gz", "diabetes_target.csv.gz")
     files = [folder / name for name in names] if folder else []
-    if not files or not all(f.is_file() for f in files):  # another layout: scikit-learn's reader
+    if not files or not all(f.is_file() for f in files):  # other files: scikit-learn's reader
         from sklearn.datasets import load_diabetes
 
         return load_diabetes(return_X_y=True, scaled=False)

@@ -59,7 +59,7 @@ class EpochSteps:
     def of_run(
         cls, cfg: Any, *, length: int, rank_lengths: tuple[int, ...], steps_before: int = 0
     ) -> EpochSteps:
-        """The run's schedule (``train.build`` and ``replay`` both read it): ``cfg`` is
+        """The run's step arithmetic (``train.build`` and ``replay`` both read it): ``cfg`` is
         the run's ``Config``, ``length`` its sampler's positions per rank (the longest list),
         ``rank_lengths`` each rank's own where they differ (``sampler=exact``). The rest of an
         epoch resumed at another world size has its own (``length`` of the rest's lists), capped

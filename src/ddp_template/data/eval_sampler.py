@@ -1,4 +1,4 @@
-"""Exact evaluation sharding: contiguous, unpadded shards, so no sample is evaluated twice."""
+"""Exact evaluation shares: contiguous and unpadded, so no sample is evaluated twice."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from ddp_template.data.sampler_args import resolve_world
 
 
 class EvalShareSampler(Sampler[int]):
-    """Exact evaluation sharding: contiguous, unpadded, every index exactly once.
+    """Exact evaluation shares: contiguous, unpadded, every index exactly once.
 
-    Rank r gets range(r*N//W, (r+1)*N//W), so shard sizes differ by at most one and some are
+    Rank r gets range(r*N//W, (r+1)*N//W), so share sizes differ by at most one and some are
     empty when N < W; summing metrics over ranks then equals the single-process result.
     """
 

@@ -2,7 +2,7 @@
 the provenance chain keeps in every checkpoint so a resume can tell that the data under the run
 is the data it started with.
 
-A dataset may say its own (``fingerprint() -> str``: the token files' and the shards' do);
+A dataset may say its own (``fingerprint() -> str``: the token files' and the tar shards' do);
 in-memory tensors are hashed whole (memory speed: a gigabyte a second); any other map-style
 dataset is probed: ``PROBES`` samples spread over it, hashed with its length. A probe misses a
 change to a sample it did not read; give your dataset a ``fingerprint()`` where that matters.

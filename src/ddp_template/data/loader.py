@@ -81,7 +81,7 @@ def training_loader(
 
 
 def build_eval_loader(dataset: MapData, cfg: LoaderConfig, info: DistInfo) -> DataLoader:
-    """Contiguous, unpadded shards: no sample is evaluated twice."""
+    """Contiguous, unpadded shares: no sample is evaluated twice."""
     sampler = EvalShareSampler(dataset, num_replicas=info.world_size, rank=info.rank)
     return DataLoader(
         BatchFetch(dataset),

@@ -31,7 +31,7 @@ from ddp_template.data.sampler_modes import ModeRule
 
 @dataclass(frozen=True, kw_only=True)
 class Prefix:
-    """Positions [0, ``position``) of every list of an epoch's layout over ``world`` ranks of a
+    """Positions [0, ``position``) of every list of an epoch's deal over ``world`` ranks of a
     sequence of ``n`` samples, consumed; ``size`` samples of it are left."""
 
     rule: ModeRule
@@ -45,7 +45,7 @@ class Prefix:
         return self.rule.length(self.n, self.world)
 
     def _blocks(self) -> tuple[np.ndarray, np.ndarray]:
-        """Contiguous layout: each rank's first unread slot and its unread count."""
+        """Contiguous deal: each rank's first unread slot and its unread count."""
         length = self._length
         ranks = np.arange(self.world, dtype=np.int64)
         lo = ranks * length + self.position
@@ -89,7 +89,7 @@ class Prefix:
 
 
 def prefixes(rule: ModeRule, n: int, records: list[dict[str, Any]]) -> list[Prefix]:
-    """The chain of prefixes one epoch was read in before this layout (oldest first), from
+    """The chain of prefixes one epoch was read in before this deal (oldest first), from
     their records (``world_size``, ``position``, ``complete``): each cuts what the one before
     it left."""
     chain = []

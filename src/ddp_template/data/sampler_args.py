@@ -1,4 +1,4 @@
-"""What a sampler accepts: strict integers and booleans, and the world it shards over.
+"""What a sampler accepts: strict integers and booleans, and the world it deals over.
 
 torch's sampler stores whatever it gets: ``seed=1.5`` fails only at the first iteration,
 ``seed=True`` silently shuffles as seed 1, ``shuffle="false"`` shuffles. Here a wrong type is

@@ -1,7 +1,7 @@
 """``SAMPLER_MODES``: the one table of sampler modes, how each lays an epoch out over W ranks.
 
-The config enum, the startup checks, the size checks, the sampler, the schedule, the shard check
-and the shard picture all read it; docs/ARCHITECTURE.md states the semantics.
+The config enum, the startup checks, the size checks, the sampler, the step arithmetic, the
+share check and the shares picture all read it; docs/ARCHITECTURE.md states the semantics.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ SAMPLER_MODES = {
         contiguous=False,
     ),
     "sequential": ModeRule(
-        summary="contiguous shards, never shuffled, the tail padded",
+        summary="contiguous shares, never shuffled, the tail padded",
         shuffles=False,
         drops_tail=False,
         contiguous=True,

@@ -2,7 +2,7 @@
 
 `ShareSampler` is a `torch.utils.data.distributed.DistributedSampler` (a subclass, same
 arguments) giving torch's exact lists in its `padded` and `drop_last` modes, plus libtorch's
-`sequential` layout, the `exact` deal (every sample once, no padding, no drop), a resumable
+`sequential` deal, the `exact` deal (every sample once, no padding, no drop), a resumable
 position (torchdata's stateful protocol too) and a keyed
 Feistel permutation that shuffles huge datasets without materialising `randperm(N)`.
 `data.sampler_modes.SAMPLER_MODES` is the one table of the modes; docs/ARCHITECTURE.md states
@@ -61,7 +61,7 @@ class ShareSampler(DistributedSampler[int]):
 
     The rank's epoch list is defined through a global list of `total_size` slots: slot j holds
     dataset index perm(j mod N). `padded`/`drop_last` give rank r the slots r, r+W, r+2W, ...
-    (exactly torch's layout); `sequential` gives it the block r*L ... (r+1)*L-1 unshuffled;
+    (exactly torch's deal); `sequential` gives it the block r*L ... (r+1)*L-1 unshuffled;
     `exact` deals the N slots as `padded` does but stops at slot N-1, so `num_samples` (this
     rank's own length) is ceil or floor(N/W) and `epoch_length` (the longest list, the positions
     every rank steps through) may exceed it. Slots j >= N are padding (repeats). Everything is

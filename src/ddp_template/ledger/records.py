@@ -2,23 +2,23 @@
 sampler mode defines (a stream: what its split yields, once), from a rank's tally to the verdict.
 
 What crosses a process boundary is a TypedDict, plain containers on the wire and on disk: a
-checkpoint loads under ``weights_only=True``, segments.json is JSON, a gather pickles. What rank
+checkpoint loads under ``weights_only=True``, stretches.json is JSON, a gather pickles. What rank
 0 makes of the gathered rows, the report and its verdict, is frozen dataclasses. Fingerprints
 are ints mod 2**64 until the report, which shows them as 16 hex digits. Readers:
 
 - ``Tallied``, ``SavedLedger``: ``ledger.tally.join_ledgers`` (writes), ``ledger.verify.
   epoch_metrics`` (the ``data/epoch_*`` keys), ``checkpoint_parts.Ledger`` (the checkpoint's
   ledger part, ``engine.TrainState.carried``).
-- ``PriorSegment``: ``engine.TrainState`` (``prior``, ``steps_before``), ``checkpoint_parts``
+- ``PriorStretch``: ``engine.TrainState`` (``prior``, ``steps_before``), ``checkpoint_parts``
   (``Progress`` writes it, ``Ledger.load_resized`` its ledgers, ``SamplerPosition``),
   ``data.samplers.ShareSampler.continue_epoch``, ``ledger.verify.prior_checks``,
-  ``elastic.record_segment`` (segments.json, without the ledgers) and ``replay``.
+  ``elastic.record_stretch`` (stretches.json, without the ledgers) and ``replay``.
 - ``Seen``, ``RankRow``, ``WorkerCheck``, ``PriorCheck``: ``ledger.verify`` (``own_check`` and
   ``prior_checks`` write a rank's row; ``epoch_report`` and ``share_report`` read the rows).
 - ``StreamRow``: ``streams.verify.verify_stream`` (a stream's gathered row).
 - ``EpochReport`` (``RankLine``, ``WorkerLine``, ``PriorLine``, ``Coverage``, ``Verdict``):
   written by ``ledger.verify.epoch_report`` and ``streams.verify.key_report``; read by
-  ``sinks.metrics.RankLogger.log_share_report`` (the ``shards/*`` keys and tables, the warning,
+  ``sinks.metrics.RankLogger.log_share_report`` (the ``shares/*`` keys and tables, the warning,
   the alerts), ``sinks.console.report_lines`` (the console block), ``kind`` (``verify``)
   and whoever calls ``streams.audited.Audited.verdict``.
 """
@@ -78,10 +78,10 @@ class _Prefix(TypedDict):
     first_step: int
 
 
-class PriorSegment(_Prefix, total=False):
+class PriorStretch(_Prefix, total=False):
     """A prefix of the current epoch read at another world size (elastic resume), in the
     checkpoint's progress part; ``ledgers`` (the old ranks', None until the ledger part loads)
-    is left out of segments.json."""
+    is left out of stretches.json."""
 
     ledgers: list[Tallied] | None
 
@@ -95,9 +95,9 @@ class WorkerCheck(TypedDict):
 
 
 class PriorCheck(TypedDict):
-    """An old rank's ledger of a ``PriorSegment``, checked by rank ``rank mod W``."""
+    """An old rank's ledger of a ``PriorStretch``, checked by rank ``rank mod W``."""
 
-    segment: int
+    stretch: int
     world_size: int
     rank: int
     samples: int
@@ -180,7 +180,7 @@ class Coverage:
 
 @dataclass(frozen=True)
 class RankLine:
-    """One rank in the report (a row of the ``shards/report`` table)."""
+    """One rank in the report (a row of the ``shares/report`` table)."""
 
     rank: int
     samples: int
@@ -191,7 +191,7 @@ class RankLine:
 
 @dataclass(frozen=True)
 class WorkerLine:
-    """One (rank, loader worker) in the report (a row of the ``shards/workers`` table)."""
+    """One (rank, loader worker) in the report (a row of the ``shares/workers`` table)."""
 
     rank: int
     worker: int
@@ -203,7 +203,7 @@ class WorkerLine:
 
 @dataclass(frozen=True)
 class PriorLine:
-    """An old rank of a prefix in the report (a row of the ``shards/prior`` table)."""
+    """An old rank of a prefix in the report (a row of the ``shares/prior`` table)."""
 
     world_size: int
     rank: int

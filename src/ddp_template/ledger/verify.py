@@ -1,11 +1,11 @@
-"""Shard verification: every rank checks its own epoch; rank 0 combines a few numbers per rank.
+"""Share verification: every rank checks its own epoch; rank 0 combines a few numbers per rank.
 
 Each rank compares its tally's fingerprint with the fingerprint of exactly the positions its
 sampler mode defines from where the epoch started (O(N/W) work on every rank at once): the loader
 may drop a last batch or a run may cap its steps, but a rank must never reorder, skip or read
 another rank's data. Only a row per rank is gathered (O(W) bytes): counts, fingerprints and what
 each rank's sampler defines for the epoch. When every rank matches and the ranks agree on the
-definition, the exact coverage, overlap and repeats follow from the mode's layout in O(W); on a
+definition, the exact coverage, overlap and repeats follow from the mode's deal in O(W); on a
 mismatch, the index lists (kept up to ``share_report_max_n``) are gathered so that the report
 shows what the ranks really read. The report also carries the slowest rank's step time over the
 fastest's.
@@ -27,7 +27,7 @@ from ddp_template.ledger.records import (
     EpochReport,
     PriorCheck,
     PriorLine,
-    PriorSegment,
+    PriorStretch,
     RankLine,
     RankRow,
     SavedLedger,
@@ -79,7 +79,7 @@ def verify_epoch(
     start: int,
     metrics: dict[str, float | str],
     info: DistInfo,
-    prior: Sequence[PriorSegment] = (),
+    prior: Sequence[PriorStretch] = (),
 ) -> EpochReport | None:
     """Check this rank's epoch, gather every rank's row: the report on rank 0, None elsewhere.
 
@@ -102,7 +102,7 @@ def verify_epoch(
 def own_check(
     stats: Any, sampler: Any, start: int, metrics: dict[str, float | str], *, rank: int
 ) -> RankRow:
-    """This rank's row of the gather: what it saw, the fingerprint its own shard defines for
+    """This rank's row of the gather: what it saw, the fingerprint its own share defines for
     that (O(samples) time, O(1) memory) and its sampler's definition of the epoch."""
     tally = stats.tally
     samples = tally.samples
@@ -127,9 +127,9 @@ def own_check(
 
 
 def old_ranks(
-    sampler: Any, prior: Sequence[PriorSegment], rank: int
-) -> Iterator[tuple[int, Any, int, PriorSegment]]:
-    """This epoch's prefixes read at other world sizes, as ``(segment, its sampler, old rank
+    sampler: Any, prior: Sequence[PriorStretch], rank: int
+) -> Iterator[tuple[int, Any, int, PriorStretch]]:
+    """This epoch's prefixes read at other world sizes, as ``(stretch, its sampler, old rank
     q, prefix)`` for the old ranks this rank checks: q mod W = ``rank``."""
     for i, prefix in enumerate(prior):
         old = sampler.prefix_sampler(i)
@@ -137,7 +137,7 @@ def old_ranks(
             yield i, old, q, prefix
 
 
-def prior_checks(sampler: Any, prior: Sequence[PriorSegment], *, rank: int) -> list[PriorCheck]:
+def prior_checks(sampler: Any, prior: Sequence[PriorStretch], *, rank: int) -> list[PriorCheck]:
     """The old ranks' ledgers of this epoch's prefixes against what their samplers defined:
     old rank q is checked by rank q mod W (O(prefix / W) per rank)."""
     checks = []
@@ -147,7 +147,7 @@ def prior_checks(sampler: Any, prior: Sequence[PriorSegment], *, rank: int) -> l
         samples = int(ledger["samples"])
         count = min(samples, old.length_of(q))
         check = PriorCheck(
-            segment=i,
+            stretch=i,
             world_size=old.num_replicas,
             rank=q,
             samples=samples,
@@ -163,7 +163,7 @@ def resumed_prefix(
     sampler: Any,
     position: int,
     carried: SavedLedger | None,
-    prior: Sequence[PriorSegment],
+    prior: Sequence[PriorStretch],
     *,
     rank: int,
 ) -> tuple[int, int, list[str]]:
@@ -201,7 +201,7 @@ def epoch_report(
     index lists): O(W) work, plus O(N) only on the mismatch path with lists. After a resume at
     another world size the report covers the whole epoch: the prefixes' old ranks too."""
     expected = agreed_expectations(rows)
-    prior = sorted((p for row in rows for p in row["prior"]), key=_segment_rank)
+    prior = sorted((p for row in rows for p in row["prior"]), key=_stretch_rank)
     observed: list[Seen] = list(rows)
     coverage = None
     if lists is not None:
@@ -226,7 +226,7 @@ def epoch_report(
         ]
         wrong = [
             f"rank {p.rank} of the {p.world_size}-rank launch saw indices that differ "
-            f"from its {sampler.mode} shard"
+            f"from its {sampler.mode} share"
             for p in old
             if not p.matches
         ]
@@ -299,8 +299,8 @@ def definition(sampler: Any, probes: int = DEFINITION_PROBES) -> Definition:
     return (sampler.mode, sampler.dataset_size, world, length, digest)
 
 
-def _segment_rank(check: PriorCheck) -> tuple[int, int]:
-    return check["segment"], check["rank"]
+def _stretch_rank(check: PriorCheck) -> tuple[int, int]:
+    return check["stretch"], check["rank"]
 
 
 def with_prior_coverage(
@@ -313,9 +313,9 @@ def with_prior_coverage(
     if any(p["fingerprint"] != p["expected"] for p in prior):
         return None
     parts = [coverage]
-    for i in sorted({p["segment"] for p in prior}):
+    for i in sorted({p["stretch"] for p in prior}):
         old = sampler.prefix_sampler(i)
-        counts = {p["rank"]: p["samples"] for p in prior if p["segment"] == i}
+        counts = {p["rank"]: p["samples"] for p in prior if p["stretch"] == i}
         ranges = [(0, min(counts[q], old.length_of(q))) for q in range(old.num_replicas)]
         parts.append(derived_coverage(old, ranges))
     covered = sum(part.covered for part in parts)
@@ -381,7 +381,7 @@ def share_report(
         if expected[r] is None:
             problems.append(f"rank {r}'s sampler defines another {mode} epoch than the others")
         elif not ok:
-            problems.append(f"rank {r} saw indices that differ from its {mode} shard")
+            problems.append(f"rank {r} saw indices that differ from its {mode} share")
         ranks.append(
             RankLine(
                 rank=r,

@@ -29,7 +29,7 @@ from typing import Any, NoReturn, TypeGuard
 
 from ddp_template.process.quick_exit import exit_now
 
-_LAYOUT = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+_SERVER_FIELDS = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
 
 
 def start(preload: list[str]) -> bool:
@@ -63,7 +63,7 @@ def start(preload: list[str]) -> bool:
 def _forkable(server: Any) -> TypeGuard[Any]:  # True: not None
     return (
         server is not None
-        and all(getattr(server, name, False) is None for name in _LAYOUT)  # none running yet
+        and all(getattr(server, name, False) is None for name in _SERVER_FIELDS)  # none running yet
         and not hasattr(server, "_forkserver_authkey")  # Python 3.14's handshake: not forked
         and threading.active_count() == 1
         and sys.platform == "linux"

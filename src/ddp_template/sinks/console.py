@@ -1,4 +1,4 @@
-"""The human-readable side of the logs: each rank's console and log file, the shard report's
+"""The human-readable side of the logs: each rank's console and log file, the share report's
 lines, the split sizes, and summary.json."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def setup_console(info: DistInfo, run_dir: Path) -> None:
     """Rank 0 talks; other ranks only warn. Each rank also logs to its file in the run dir.
 
     Under Hydra (torchrun, single process) the file handler already exists; in-process
-    workers start without Hydra's logging, so they get the same layout here.
+    workers start without Hydra's logging, so they get the same format here.
     """
     root = logging.getLogger()
     if not any(isinstance(h, logging.FileHandler) for h in root.handlers):
@@ -57,7 +57,7 @@ DERIVED = " (derived from the deal: the rank was lost)"
 
 def report_lines(report: EpochReport, epoch: int) -> list[str]:
     lines = [
-        f"epoch {epoch} shards ({report.mode}, N={report.dataset_size}): verdict {report.verdict}"
+        f"epoch {epoch} shares ({report.mode}, N={report.dataset_size}): verdict {report.verdict}"
     ]
     repeated = "read twice" if report.mode == "stream" else "padded"  # a stream has no pads
     lines += [

@@ -1,4 +1,4 @@
-"""The metrics sink: console and file, per-rank JSONL, and W&B in the chosen layout.
+"""The metrics sink: console and file, per-rank JSONL, and W&B in the chosen runs (logger.runs).
 
 Every rank writes ``<run_dir>/rank<r>/metrics.jsonl`` (always). With ``logger=wandb`` the same
 keys go to W&B: one run per rank grouped by the run id (``per_rank``), or one run for the job
@@ -17,12 +17,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ddp_template.config.schema import LoggerConfig, LoggerName, WandbLayout
+from ddp_template.config.schema import LoggerConfig, LoggerName, WandbRuns
 from ddp_template.distributed import DistInfo, barrier, gather_objects
 from ddp_template.ledger.records import EpochReport, PriorLine, RankLine, WorkerLine
 from ddp_template.run_identity import RunInfo
 from ddp_template.sinks.console import report_lines, split_sizes, write_summary
-from ddp_template.sinks.wandb_run import Layout, choose_layout, start_wandb, wandb_id
+from ddp_template.sinks.wandb_run import Runs, choose_runs, start_wandb, wandb_id
 from ddp_template.spike import SpikeReport
 
 log = logging.getLogger("ddp_template")
@@ -42,18 +42,18 @@ class RankLogger:
         self._wandb: Any = None
         self._wandb_thread: threading.Thread | None = None
         self.bar: Any = None
-        self.layout: Layout | None = None
+        self.runs: Runs | None = None
         self._epoch_ranks: list[dict[str, Any]] | None = None  # one run: rank 0's last gather
         self._spikes: list[list[dict[str, Any]]] = []  # this epoch's spike samples, per report
         self._alerted: set[str] = set()
         if cfg.name != LoggerName.wandb:
             return
-        self.layout = choose_layout(cfg, info.world_size)
+        self.runs = choose_runs(cfg, info.world_size)
         if info.is_main:
-            log.info("W&B layout %s (%s)", self.layout.name, self.layout.reason)
-            if self.layout.fallback:
-                log.warning("logger.layout=shared falls back to main: %s", self.layout.fallback)
-        if self.layout.starts_run(info) and not self._joins_later:
+            log.info("W&B runs %s (%s)", self.runs.name, self.runs.reason)
+            if self.runs.fallback:
+                log.warning("logger.runs=shared falls back to main: %s", self.runs.fallback)
+        if self.runs.starts_run(info) and not self._joins_later:
             # W&B's import and service start take ~1 s: overlap them with building the data,
             # model and DDP; the first use of ``self.wandb`` waits for it.
             self._wandb_thread = threading.Thread(
@@ -69,13 +69,13 @@ class RankLogger:
     @property
     def _joins_later(self) -> bool:
         """A shared-mode worker joins the primary's run only once it exists (in ``ready``)."""
-        layout = self.layout
-        return layout is not None and layout.name == WandbLayout.shared and not self.info.is_main
+        runs = self.runs
+        return runs is not None and runs.name == WandbRuns.shared and not self.info.is_main
 
     @property
     def _history(self) -> bool:
         """Whether this rank's rows go to W&B."""
-        return self.layout is not None and self.layout.logs_history(self.info)
+        return self.runs is not None and self.runs.logs_history(self.info)
 
     def wait_ready(self) -> None:
         """Wait until this rank's W&B run has started (or given up)."""
@@ -97,9 +97,9 @@ class RankLogger:
         return self._wandb
 
     def _start_wandb(self) -> None:
-        assert self.layout is not None
+        assert self.runs is not None
         self._wandb = start_wandb(
-            self.cfg, self.layout, run=self.run, info=self.info, config=self.config
+            self.cfg, self.runs, run=self.run, info=self.info, config=self.config
         )
 
     @property
@@ -119,7 +119,7 @@ class RankLogger:
         """This rank's per-epoch numbers. With one W&B run (main, shared) a collective: every
         rank's numbers reach rank 0 and its run as ``<key>/rank<r>``."""
         self.log(metrics, step)
-        if self.layout is None or not self.layout.one_run:
+        if self.runs is None or not self.runs.one_run:
             return
         mine = {k: v for k, v in metrics.items() if k != "epoch"}
         ranks = gather_objects(mine, self.info)
@@ -148,7 +148,7 @@ class RankLogger:
             log.warning("%s", report.line(top))
         self.log({"spikes/loss": report.loss, "spikes/median": report.median}, step)
         rows = [{"step": step, **asdict(s)} for s in report.samples]
-        if self.layout is not None and self.layout.one_run:  # each rank's own, gathered later
+        if self.runs is not None and self.runs.one_run:  # each rank's own, gathered later
             self._spikes.append([r for r in rows if r["rank"] == self.info.rank])
         else:
             self.log_table("spikes/samples", rows, step)
@@ -156,7 +156,7 @@ class RankLogger:
     def log_spikes(self, step: int) -> None:
         """With one W&B run (``main``, ``shared``): the epoch's spike samples of every rank to
         it (a collective at the epoch's end; nothing to gather is gathered as nothing)."""
-        if self.layout is None or not self.layout.one_run:
+        if self.runs is None or not self.runs.one_run:
             return
         ranks = gather_objects([row for rows in self._spikes for row in rows], self.info)
         self._spikes = []
@@ -220,10 +220,10 @@ class RankLogger:
             self.wandb.log({key: wandb.Image(str(path))})
 
     def finish_run(self, result: Any, splits: Any, steps: int, picture: Any) -> None:
-        """Rank 0: the shard picture to W&B, summary.json, and the closing lines."""
+        """Rank 0: the shares picture to W&B, summary.json, and the closing lines."""
         if picture is not None:
             picture.join()
-            self.log_image("shards/layout", self.run.run_dir / "shares.png")
+            self.log_image("shares/picture", self.run.run_dir / "shares.png")
         if not self.info.is_main:
             return
         path = write_summary(
@@ -248,8 +248,8 @@ class RankLogger:
         """Rank 0: the verdict, coverage and step-time spread as keys, a table and a console
         block; a warning when any rank saw data its sampler mode does not define."""
         summary = {
-            "shards/verdict_ok": int(report.verdict.ok),
-            "shards/total_samples": report.total_samples,
+            "shares/verdict_ok": int(report.verdict.ok),
+            "shares/total_samples": report.total_samples,
             "perf/step_s_max_over_min": report.step_s_max_over_min,
             "perf/slowest_rank": report.slowest_rank,
         }
@@ -261,24 +261,24 @@ class RankLogger:
             "unread": report.unread_samples,
             "replayed": report.replayed,
         }
-        summary |= {f"shards/{key}": n for key, n in counts.items() if n is not None}
+        summary |= {f"shares/{key}": n for key, n in counts.items() if n is not None}
         self.log(summary, step)
         rows = table_rows(report.ranks)
         if self._epoch_ranks is not None:  # one run: every rank's epoch numbers in its row
             rows = [{**row, **self._epoch_ranks[row["rank"]]} for row in rows]
-        self.log_table("shards/report", rows, step)
+        self.log_table("shares/report", rows, step)
         if report.workers:  # sharded data: every (rank, loader worker)
-            self.log_table("shards/workers", table_rows(report.workers), step)
+            self.log_table("shares/workers", table_rows(report.workers), step)
         if report.prior:  # resumed at another world size: the old ranks' prefix
-            self.log_table("shards/prior", table_rows(report.prior), step)
+            self.log_table("shares/prior", table_rows(report.prior), step)
         log.info("\n".join(report_lines(report, epoch)))
         if not report.verdict.ok:
             hint = report.hint or (
                 "a rank saw data its sampler mode does not define (wrong seed on one rank? "
                 "missing set_epoch? custom sampler?)"
             )
-            log.warning("SHARD MISMATCH in epoch %d: %s — %s", epoch, report.verdict, hint)
-            self._alert_once("SHARD MISMATCH", f"epoch {epoch}: {report.verdict}")
+            log.warning("SHARE MISMATCH in epoch %d: %s — %s", epoch, report.verdict, hint)
+            self._alert_once("SHARE MISMATCH", f"epoch {epoch}: {report.verdict}")
         ratio, limit = report.step_s_max_over_min, self.cfg.straggler_alert
         if limit is not None and ratio > limit:
             text = (

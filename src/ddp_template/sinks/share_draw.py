@@ -1,5 +1,5 @@
-"""Drawing shard layouts with matplotlib: a labelled cell per slot for small N, else counts and
-binned coverage. Takes plain arrays (`ShareLayout`), so it never depends on sampler internals;
+"""Drawing the ranks' shares with matplotlib: a labelled cell per slot for small N, else counts and
+binned coverage. Takes plain arrays (`Shares`), so it never depends on sampler internals;
 imports matplotlib lazily and draws on a bare `Figure` (Agg), so it works headless and leaves
 pyplot's global backend alone.
 """
@@ -23,7 +23,7 @@ DPI = 120
 
 
 @dataclass
-class ShareLayout:
+class Shares:
     """One epoch's per-rank index lists and padding flags, as plain arrays."""
 
     mode: str
@@ -66,16 +66,16 @@ def _dropped_text(dropped: np.ndarray, limit: int = 12) -> str:
     return f"dropped: {shown}{more}"
 
 
-def _headline(layout: ShareLayout, title: str | None) -> str:
+def _headline(shares: Shares, title: str | None) -> str:
     """Title plus the numbers a reader checks first: slots per rank, padding, dropped."""
-    sizes = sorted({idx.size for idx in layout.ranks}, reverse=True) or [0]
+    sizes = sorted({idx.size for idx in shares.ranks}, reverse=True) or [0]
     per_rank = " or ".join(f"{size:,}" for size in sizes)  # `exact`: ceil or floor(N/W)
-    pads = sum(int(p.sum()) for p in layout.padding)
+    pads = sum(int(p.sum()) for p in shares.padding)
     stats = (
-        f"N={layout.num_samples:,}, W={layout.world_size}: per-rank length {per_rank}, "
-        f"{pads:,} padding, {layout.dropped().size:,} dropped"
+        f"N={shares.num_samples:,}, W={shares.world_size}: per-rank length {per_rank}, "
+        f"{pads:,} padding, {shares.dropped().size:,} dropped"
     )
-    return f"{title or layout.mode}  ·  {stats}"
+    return f"{title or shares.mode}  ·  {stats}"
 
 
 # ----------------------------------------------------------------------------- small N
@@ -110,36 +110,36 @@ def _cell(ax: Any, x: float, y: float, label: str, color: Any, hatch: str | None
     )
 
 
-def _grid_shape(layout: ShareLayout) -> tuple[int, int]:
+def _grid_shape(shares: Shares) -> tuple[int, int]:
     """Columns of the grid and rows of the dataset strip, which wraps beyond STRIP_WRAP cells."""
-    per_rank = max((idx.size for idx in layout.ranks), default=0)
-    cols = max(per_rank, min(layout.num_samples, STRIP_WRAP), 1)
-    return cols, -(-layout.num_samples // cols)
+    per_rank = max((idx.size for idx in shares.ranks), default=0)
+    cols = max(per_rank, min(shares.num_samples, STRIP_WRAP), 1)
+    return cols, -(-shares.num_samples // cols)
 
 
-def _draw_strip(ax: Any, layout: ShareLayout, colors: list, top: float, cols: int) -> None:
+def _draw_strip(ax: Any, shares: Shares, colors: list, top: float, cols: int) -> None:
     """Every dataset index once, coloured by the rank whose real slot reads it."""
-    n = layout.num_samples
+    n = shares.num_samples
     owner = np.full(n, -1)
-    for r, (idx, pad) in enumerate(zip(layout.ranks, layout.padding, strict=True)):
+    for r, (idx, pad) in enumerate(zip(shares.ranks, shares.padding, strict=True)):
         owner[idx[~pad]] = r
-    reads = np.bincount(np.concatenate(layout.ranks), minlength=n)
+    reads = np.bincount(np.concatenate(shares.ranks), minlength=n)
     for i, o in enumerate(owner.tolist()):
         x, y = i % cols, top + i // cols
         _cell(ax, x, y, str(i), colors[o] if o >= 0 else None, DROP_HATCH if o < 0 else None)
-        if reads[i] > 1:  # padding repeats it (or, in a buggy layout, two ranks read it)
+        if reads[i] > 1:  # padding repeats it (or, in a buggy deal, two ranks read it)
             ax.text(x + 0.93, y + 0.1, f"×{reads[i]}", ha="right", va="top", fontsize=7)
 
 
-def _draw_cells(ax: Any, layout: ShareLayout, colors: list) -> None:
+def _draw_cells(ax: Any, shares: Shares, colors: list) -> None:
     """Row per rank (epoch order), then a strip of the dataset coloured by who reads each index."""
-    world = layout.world_size
-    cols, strip_rows = _grid_shape(layout)
-    for r, (idx, pad) in enumerate(zip(layout.ranks, layout.padding, strict=True)):
+    world = shares.world_size
+    cols, strip_rows = _grid_shape(shares)
+    for r, (idx, pad) in enumerate(zip(shares.ranks, shares.padding, strict=True)):
         for pos, (i, p) in enumerate(zip(idx.tolist(), pad.tolist(), strict=True)):
             _cell(ax, pos, r, str(i), colors[r], PAD_HATCH if p else None)
     top = world + 0.6
-    _draw_strip(ax, layout, colors, top, cols)
+    _draw_strip(ax, shares, colors, top, cols)
     bottom = top + strip_rows
     ax.text(
         0.04,
@@ -161,10 +161,10 @@ def _draw_cells(ax: Any, layout: ShareLayout, colors: list) -> None:
     ax.tick_params(left=False)
     for spine in ax.spines.values():
         spine.set_visible(False)
-    _cell_legend(ax, colors, layout)
+    _cell_legend(ax, colors, shares)
 
 
-def _cell_legend(ax: Any, colors: list, layout: ShareLayout) -> None:
+def _cell_legend(ax: Any, colors: list, shares: Shares) -> None:
     from matplotlib.patches import Patch
 
     handles = [
@@ -174,7 +174,7 @@ def _cell_legend(ax: Any, colors: list, layout: ShareLayout) -> None:
     handles.append(
         Patch(facecolor="white", edgecolor="0.3", hatch=PAD_HATCH, label="padding (repeat)")
     )
-    dropped = layout.dropped()
+    dropped = shares.dropped()
     if dropped.size:
         handles.append(
             Patch(
@@ -192,16 +192,16 @@ def _cell_legend(ax: Any, colors: list, layout: ShareLayout) -> None:
 
 
 # ----------------------------------------------------------------------------- large N
-def _draw_counts(ax: Any, layout: ShareLayout, colors: list) -> None:
+def _draw_counts(ax: Any, shares: Shares, colors: list) -> None:
     """Per rank: real vs padding slots; unequal bars or padding beyond W-1 mean a bug."""
-    ranks = np.arange(layout.world_size)
-    pads = np.array([int(p.sum()) for p in layout.padding])
-    real = np.array([p.size for p in layout.padding]) - pads
+    ranks = np.arange(shares.world_size)
+    pads = np.array([int(p.sum()) for p in shares.padding])
+    real = np.array([p.size for p in shares.padding]) - pads
     ax.barh(ranks, real, color=colors, label="real")
     ax.barh(
         ranks, pads, left=real, color="white", edgecolor=colors, hatch=PAD_HATCH, label="padding"
     )
-    if layout.world_size <= 16:
+    if shares.world_size <= 16:
         ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
         for r in ranks:
             ax.text(
@@ -220,83 +220,81 @@ def _draw_counts(ax: Any, layout: ShareLayout, colors: list) -> None:
     ax.legend(loc="lower right", fontsize=8)
 
 
-def _coverage_note(layout: ShareLayout) -> str:
+def _coverage_note(shares: Shares) -> str:
     """The numbers a binned plot hides: unique coverage, the most-read index, what was dropped."""
-    n = layout.num_samples
+    n = shares.num_samples
     reads: np.ndarray | list[int] = (
-        np.bincount(np.concatenate(layout.ranks), minlength=n) if layout.ranks else []
+        np.bincount(np.concatenate(shares.ranks), minlength=n) if shares.ranks else []
     )
     note = f"unique coverage {np.count_nonzero(reads) / n:.4%}  ·  max reads of one index "
     note += str(int(np.max(reads, initial=0)))
-    dropped = layout.dropped()
+    dropped = shares.dropped()
     return note + (f"\n{_dropped_text(dropped, limit=5)}" if dropped.size else "")
 
 
-def coverage_bins(layout: ShareLayout, bins: int = COVERAGE_BINS) -> tuple[np.ndarray, np.ndarray]:
+def coverage_bins(shares: Shares, bins: int = COVERAGE_BINS) -> tuple[np.ndarray, np.ndarray]:
     """Integer bin edges and, stacked over ranks 0..r, reads per index in each bin (bin k holds
     i with i * bins // N == k): counts over the bin's size, so a clean epoch tops at exactly 1.0."""
-    n, bins = layout.num_samples, min(bins, layout.num_samples)
+    n, bins = shares.num_samples, min(bins, shares.num_samples)
     edges = -(-np.arange(bins + 1) * n // bins)  # ceil(k * N / bins): where bin k starts
-    reads = [np.bincount(np.asarray(idx) * bins // n, minlength=bins) for idx in layout.ranks]
+    reads = [np.bincount(np.asarray(idx) * bins // n, minlength=bins) for idx in shares.ranks]
     return edges, np.cumsum(np.array(reads).reshape(len(reads), bins), axis=0) / np.diff(edges)
 
 
-def _draw_coverage(ax: Any, layout: ShareLayout, colors: list) -> None:
+def _draw_coverage(ax: Any, shares: Shares, colors: list) -> None:
     """Reads per dataset index, binned and stacked by rank: 1.0 everywhere = each index once."""
-    edges, tops = coverage_bins(layout)
+    edges, tops = coverage_bins(shares)
     tops = np.column_stack([tops, tops[:, -1]])  # step="post" only uses the last to close
     for r, (low, top) in enumerate(zip([np.zeros(edges.size), *tops[:-1]], tops, strict=True)):
         ax.fill_between(edges, low, top, step="post", color=colors[r], linewidth=0)
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="each index once")
-    ax.set(xlim=(0, layout.num_samples), ylim=(0, max(1.45, float(tops[-1].max()) * 1.3)))
-    ax.text(0.01, 0.97, _coverage_note(layout), transform=ax.transAxes, va="top", fontsize=8)
+    ax.set(xlim=(0, shares.num_samples), ylim=(0, max(1.45, float(tops[-1].max()) * 1.3)))
+    ax.text(0.01, 0.97, _coverage_note(shares), transform=ax.transAxes, va="top", fontsize=8)
     ax.set(xlabel="dataset index", ylabel="reads per index")
     ax.set_title(f"coverage ({edges.size - 1} bins, stacked by rank)", fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
 
 
-def _draw_summary(ax: Any, layout: ShareLayout, colors: list) -> None:
+def _draw_summary(ax: Any, shares: Shares, colors: list) -> None:
     """Too many slots to draw one by one: two compact plots inside the given axes."""
     ax.axis("off")
-    _draw_counts(ax.inset_axes([0.06, 0.0, 0.36, 0.88]), layout, colors)
-    _draw_coverage(ax.inset_axes([0.52, 0.0, 0.48, 0.88]), layout, colors)
+    _draw_counts(ax.inset_axes([0.06, 0.0, 0.36, 0.88]), shares, colors)
+    _draw_coverage(ax.inset_axes([0.52, 0.0, 0.48, 0.88]), shares, colors)
 
 
 # ----------------------------------------------------------------------------- public
-def _is_small(layout: ShareLayout) -> bool:
-    return layout.num_samples <= SMALL_N
+def _is_small(shares: Shares) -> bool:
+    return shares.num_samples <= SMALL_N
 
 
-def draw_layout(ax: Any, layout: ShareLayout, title: str | None = None) -> None:
-    """Draw one layout on `ax`: every slot for small N, a summary (fast at N=1e6) otherwise."""
-    colors = _rank_colors(layout.world_size)
-    if _is_small(layout):
-        _draw_cells(ax, layout, colors)
+def draw_shares(ax: Any, shares: Shares, title: str | None = None) -> None:
+    """Draw one epoch's shares on `ax`: every slot for small N, else a summary (fast at N=1e6)."""
+    colors = _rank_colors(shares.world_size)
+    if _is_small(shares):
+        _draw_cells(ax, shares, colors)
     else:
-        _draw_summary(ax, layout, colors)
-    ax.set_title(_headline(layout, title), loc="left", fontsize=10)
+        _draw_summary(ax, shares, colors)
+    ax.set_title(_headline(shares, title), loc="left", fontsize=10)
 
 
-def _figsize(layouts: Sequence[ShareLayout]) -> tuple[float, float]:
+def _figsize(panels: Sequence[Shares]) -> tuple[float, float]:
     """Width from the widest grid (cells stay square and readable), height from the rows."""
-    if not all(_is_small(lay) for lay in layouts):
-        return 12.0, 4.2 * len(layouts)
-    shapes = [_grid_shape(lay) for lay in layouts]
+    if not all(_is_small(sh) for sh in panels):
+        return 12.0, 4.2 * len(panels)
+    shapes = [_grid_shape(sh) for sh in panels]
     cols = max(c for c, _ in shapes)
-    rows = sum(
-        lay.world_size + strip + 1.2 for lay, (_, strip) in zip(layouts, shapes, strict=True)
-    )
-    return min(max(CELL_IN * cols + 3.2, 8.0), 40.0), CELL_IN * rows + 0.75 * len(layouts)
+    rows = sum(sh.world_size + strip + 1.2 for sh, (_, strip) in zip(panels, shapes, strict=True))
+    return min(max(CELL_IN * cols + 3.2, 8.0), 40.0), CELL_IN * rows + 0.75 * len(panels)
 
 
-def save(path: str | Path, layouts: Sequence[ShareLayout], titles: Sequence[str | None]) -> Path:
+def save(path: str | Path, panels: Sequence[Shares], titles: Sequence[str | None]) -> Path:
     from matplotlib.figure import Figure
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig = Figure(figsize=_figsize(layouts), layout="constrained")
-    axes = fig.subplots(len(layouts), 1, squeeze=False)[:, 0]
-    for ax, layout, title in zip(axes, layouts, titles, strict=True):
-        draw_layout(ax, layout, title)
+    fig = Figure(figsize=_figsize(panels), layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for ax, shares, title in zip(axes, panels, titles, strict=True):
+        draw_shares(ax, shares, title)
     fig.savefig(path, dpi=DPI, bbox_inches="tight", pad_inches=0.15)  # keep outside legends
     return path

@@ -1,7 +1,7 @@
-"""Pictures of the shard layout: which dataset index each rank reads, and which slots repeat.
+"""Pictures of the ranks' shares: which dataset index each rank reads, and which slots repeat.
 
-A silent data bug (overlapping shards, padding counted as data, dropped samples) is easiest to
-see: each run saves its first epoch's layout as ``shares.png`` (drawn in a background thread)
+A silent data bug (overlapping shares, padding counted as data, dropped samples) is easiest to
+see: each run saves its first epoch's shares as ``shares.png`` (drawn in a background thread)
 and ``make shares`` draws the README figure, one panel per sampler mode.
 """
 
@@ -18,24 +18,22 @@ import numpy as np
 
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShareSampler
-from ddp_template.sinks.share_draw import ShareLayout, draw_layout, save
+from ddp_template.sinks.share_draw import Shares, draw_shares, save
 
-__all__ = ["ShareLayout", "draw_layout", "layout_from_sampler", "save_layout_png", "save_modes_png"]
+__all__ = ["Shares", "draw_shares", "shares_from_sampler", "save_shares_png", "save_modes_png"]
 
 log = logging.getLogger("ddp_template")
-PICTURE_MAX_N = 2_000_000  # above this, drawing every rank's shard would cost O(N) at start
+PICTURE_MAX_N = 2_000_000  # above this, drawing every rank's share would cost O(N) at start
 
 
-def layout_from_sampler(sampler: ShareSampler) -> ShareLayout:
+def shares_from_sampler(sampler: ShareSampler) -> Shares:
     """Every rank's list for the sampler's current epoch, as the sampler defines it."""
     ranks, padding = [], []
     for rank in range(sampler.num_replicas):
         idx = np.asarray(sampler.rank_indices(rank), dtype=np.int64)
         ranks.append(idx)
         padding.append(np.asarray(sampler.is_padding(np.arange(idx.size), rank), dtype=bool))
-    return ShareLayout(
-        mode=sampler.mode, num_samples=sampler.base_size, ranks=ranks, padding=padding
-    )
+    return Shares(mode=sampler.mode, num_samples=sampler.base_size, ranks=ranks, padding=padding)
 
 
 def draw_shares_async(sampler: ShareSampler, run_dir: Path) -> threading.Thread | None:
@@ -50,34 +48,34 @@ def draw_shares_async(sampler: ShareSampler, run_dir: Path) -> threading.Thread 
     frozen = copy.copy(sampler)  # the training loop moves on (set_epoch) while this draws
 
     def draw() -> None:
-        save_layout_png(run_dir / "shares.png", layout_from_sampler(frozen))
+        save_shares_png(run_dir / "shares.png", shares_from_sampler(frozen))
 
     thread = threading.Thread(target=draw, name="shares-png", daemon=True)
     thread.start()
     return thread
 
 
-def save_layout_png(path: str | Path, layout: ShareLayout, title: str | None = None) -> Path:
+def save_shares_png(path: str | Path, shares: Shares, title: str | None = None) -> Path:
     """A run's `shares.png`."""
-    return save(path, [layout], [title])
+    return save(path, [shares], [title])
 
 
 def save_modes_png(
     path: str | Path, n: int = 11, world: int = 2, shuffle: bool = False, seed: int = 0
 ) -> Path:
     """The README picture: the same N and W under each mode, one panel per mode."""
-    layouts, titles = [], []
+    panels, titles = [], []
     for mode, rule in SAMPLER_MODES.items():
         mode_shuffle = shuffle and rule.shuffles
         sampler = ShareSampler(range(n), world, 0, shuffle=mode_shuffle, seed=seed, mode=mode)
-        layouts.append(layout_from_sampler(sampler))
+        panels.append(shares_from_sampler(sampler))
         titles.append(f"{mode} (shuffle={mode_shuffle}, seed={seed})" if shuffle else mode)
-    return save(path, layouts, titles)
+    return save(path, panels, titles)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m ddp_template.sinks.share_plot --out docs/shares.png` (`make shares`)."""
-    parser = argparse.ArgumentParser(description="Draw the sampler modes' shard layouts.")
+    parser = argparse.ArgumentParser(description="Draw the sampler modes' shares.")
     parser.add_argument("--out", type=Path, default=Path("docs/shares.png"))
     parser.add_argument("--n", type=int, default=11, help="dataset size N")
     parser.add_argument("--world", type=int, default=2, help="number of ranks W")

@@ -1,4 +1,5 @@
-"""Starting W&B in one of its three layouts for distributed training, and the fallbacks.
+"""Starting W&B in one of its three ways to log distributed training (``logger.runs``), and
+the fallbacks.
 
 * ``per_rank``: every rank its own run, grouped by the run id (``job_type`` main on rank 0,
   worker elsewhere): every rank's data and system metrics apart.
@@ -8,7 +9,7 @@
   labelled ``rank<r>``. It needs ``logger.mode=online`` and wandb >= ``SHARED_MIN_VERSION``;
   elsewhere it falls back to ``main``.
 
-``choose_layout`` reads only the config, the world size and the installed W&B version, so every
+``choose_runs`` reads only the config, the world size and the installed W&B version, so every
 rank reaches the same answer without talking to the others. W&B trouble never stops training: a
 failed start falls back to offline, then to JSONL only.
 """
@@ -23,7 +24,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from ddp_template.config.schema import LoggerConfig, SystemMetrics, WandbLayout, WandbMode
+from ddp_template.config.schema import LoggerConfig, SystemMetrics, WandbMode, WandbRuns
 from ddp_template.distributed import DistInfo
 from ddp_template.run_identity import RunInfo
 
@@ -33,33 +34,33 @@ SHARED_MIN_VERSION = "0.19.6"  # the first whose Settings take x_primary (0.19.5
 
 
 @dataclass(frozen=True)
-class Layout:
+class Runs:
     name: str  # per_rank | main | shared: what this run uses
     reason: str  # why, for rank 0's log line
-    fallback: str | None = None  # why logger.layout=shared became main (rank 0 warns once)
+    fallback: str | None = None  # why logger.runs=shared became main (rank 0 warns once)
 
     @property
     def one_run(self) -> bool:
         """One W&B run for the whole job: every rank's epoch numbers are gathered to rank 0."""
-        return self.name != WandbLayout.per_rank
+        return self.name != WandbRuns.per_rank
 
     def starts_run(self, info: DistInfo) -> bool:
-        return self.name != WandbLayout.main or info.is_main
+        return self.name != WandbRuns.main or info.is_main
 
     def logs_history(self, info: DistInfo) -> bool:
         """Whether this rank's ``log`` rows go to W&B (with one run, only rank 0's do)."""
         return not self.one_run or info.is_main
 
 
-def choose_layout(cfg: LoggerConfig, world_size: int, installed: str | None = None) -> Layout:
-    """The layout for ``world_size`` ranks; ``installed`` is the wandb version (default: this
+def choose_runs(cfg: LoggerConfig, world_size: int, installed: str | None = None) -> Runs:
+    """The W&B runs for ``world_size`` ranks; ``installed`` is the wandb version (default: this
     environment's)."""
-    layout, limit = cfg.layout, cfg.per_rank_max
-    if layout == WandbLayout.auto:
+    runs, limit = cfg.runs, cfg.per_rank_max
+    if runs == WandbRuns.auto:
         if world_size <= limit:
-            return Layout("per_rank", f"auto: {world_size} ranks <= logger.per_rank_max={limit}")
-        return Layout("main", f"auto: {world_size} ranks > logger.per_rank_max={limit}")
-    if layout == WandbLayout.shared:
+            return Runs("per_rank", f"auto: {world_size} ranks <= logger.per_rank_max={limit}")
+        return Runs("main", f"auto: {world_size} ranks > logger.per_rank_max={limit}")
+    if runs == WandbRuns.shared:
         installed = installed or version("wandb")
         problem = None
         if cfg.mode != WandbMode.online:
@@ -67,8 +68,8 @@ def choose_layout(cfg: LoggerConfig, world_size: int, installed: str | None = No
         elif Version(installed) < Version(SHARED_MIN_VERSION):
             problem = f"W&B's shared mode needs wandb>={SHARED_MIN_VERSION}, not {installed}"
         if problem is not None:
-            return Layout("main", "logger.layout=shared, fallen back", fallback=problem)
-    return Layout(str(layout), f"logger.layout={layout}")
+            return Runs("main", "logger.runs=shared, fallen back", fallback=problem)
+    return Runs(str(runs), f"logger.runs={runs}")
 
 
 def system_metrics_on(cfg: LoggerConfig, info: DistInfo) -> bool:
@@ -84,7 +85,7 @@ def wandb_id(run_id: str, rank: int | None = None) -> str:
 
 
 def _init_kwargs(
-    cfg: LoggerConfig, layout: Layout, run: RunInfo, info: DistInfo, config: dict[str, Any]
+    cfg: LoggerConfig, runs: Runs, run: RunInfo, info: DistInfo, config: dict[str, Any]
 ) -> dict[str, Any]:
     config = dict(config)
     config.update(
@@ -95,10 +96,10 @@ def _init_kwargs(
         backend=info.backend or "none",
         launcher=info.launcher,
         sampler=config["sampler"]["mode"],
-        wandb_layout=layout.name,
+        wandb_runs=runs.name,
         system_metrics=system_metrics_on(cfg, info),
     )
-    per_rank = not layout.one_run
+    per_rank = not runs.one_run
     kwargs = dict(
         project=cfg.project,
         entity=cfg.entity,
@@ -111,14 +112,14 @@ def _init_kwargs(
         dir=str(run.run_dir / f"rank{info.rank}"),
         config=config,
     )
-    if layout.name == WandbLayout.shared and not info.is_main:
+    if runs.name == WandbRuns.shared and not info.is_main:
         del kwargs["config"]  # the primary's config is the run's; a worker's would overwrite it
     return kwargs
 
 
-def _settings(wandb: Any, cfg: LoggerConfig, layout: Layout, info: DistInfo) -> Any:
+def _settings(wandb: Any, cfg: LoggerConfig, runs: Runs, info: DistInfo) -> Any:
     extra = {}
-    if layout.name == WandbLayout.shared:
+    if runs.name == WandbRuns.shared:
         # Only the primary writes the run's files and decides its final state.
         extra = dict(x_primary=info.is_main, x_update_finish_state=info.is_main)
     return wandb.Settings(
@@ -131,20 +132,20 @@ def _settings(wandb: Any, cfg: LoggerConfig, layout: Layout, info: DistInfo) -> 
 
 
 def start_wandb(
-    cfg: LoggerConfig, layout: Layout, *, run: RunInfo, info: DistInfo, config: dict[str, Any]
+    cfg: LoggerConfig, runs: Runs, *, run: RunInfo, info: DistInfo, config: dict[str, Any]
 ) -> Any:
     """This rank's W&B run, or None when W&B cannot start (training goes on without it)."""
     import wandb
 
-    kwargs = _init_kwargs(cfg, layout, run, info, config)
-    mode = "shared" if layout.name == WandbLayout.shared else str(cfg.mode)
+    kwargs = _init_kwargs(cfg, runs, run, info, config)
+    mode = "shared" if runs.name == WandbRuns.shared else str(cfg.mode)
     attempts: list[Any] = [mode]  # wandb.init's mode: one of its Literal strings
-    if mode != "offline" and (layout.name != WandbLayout.shared or info.is_main):
+    if mode != "offline" and (runs.name != WandbRuns.shared or info.is_main):
         attempts.append("offline")  # a shared-mode worker alone offline would be a stray run
     error: Exception | None = None
     for attempt in attempts:
         try:
-            settings = _settings(wandb, cfg, layout, info)  # an older W&B refuses them here
+            settings = _settings(wandb, cfg, runs, info)  # an older W&B refuses them here
             wb = wandb.init(mode=attempt, settings=settings, **kwargs)
         except Exception as exc:  # W&B must never stop training
             error = exc

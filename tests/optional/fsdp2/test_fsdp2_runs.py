@@ -87,7 +87,7 @@ def weights(run_dir: Path, *keys: str) -> dict[str, torch.Tensor]:
 def verdicts(run_dir: Path) -> list[tuple[int, int]]:
     rows = jsonl(run_dir / "rank0" / "metrics.jsonl")
     return [
-        (r["shards/verdict_ok"], r["shards/total_samples"]) for r in rows if "shards/" in str(r)
+        (r["shares/verdict_ok"], r["shares/total_samples"]) for r in rows if "shares/" in str(r)
     ]
 
 
@@ -115,7 +115,7 @@ def test_fsdp2_trains_like_ddp_with_a_dcp_file_per_rank(runs) -> None:
     assert a["eval_count"] == b["eval_count"] == TEST_WINDOWS
     assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
     log = (fsdp2 / "train.log").read_text()
-    assert "fsdp2: fully_shard on 2 units (blocks.0, blocks.1) and the root; mesh shard 2" in log
+    assert "fsdp2: fully_shard on 2 units (blocks.0, blocks.1) and the root; mesh slice 2" in log
     payload = load(fsdp2 / "checkpoints/last.pt")
     assert "model" not in payload and "optimizer" not in payload and "ema" not in payload
     (kept,) = (fsdp2 / "checkpoints/slices").iterdir()  # the older ones pruned
@@ -197,7 +197,7 @@ def test_weights_cross_layouts_both_ways_and_export_to_one_file(runs, tmp_path: 
 def test_the_default_job_under_hsdp_with_syncbn_and_compiled_ends_on_ddps_numbers(
     tmp_path: Path,
 ) -> None:
-    """small_cnn on digits, 2 epochs: with SyncBN on, FSDP2 on a replicate x shard mesh of 2 x 1
+    """small_cnn on digits, 2 epochs: with SyncBN on, FSDP2 on a replicate x slice mesh of 2 x 1
     ends on DDP's numbers (SyncBN's all-reduce in the forward works under FSDP2); compiled
     (compile=true, Inductor on CPU), FSDP2 ends on DDP's counts and, to 10⁻³ (Inductor's fused
     kernels round otherwise), its loss."""
@@ -215,4 +215,4 @@ def test_the_default_job_under_hsdp_with_syncbn_and_compiled_ends_on_ddps_number
         assert got[ours]["eval_correct"] == got[theirs]["eval_correct"], ours
         assert got[ours]["eval_loss"] == pytest.approx(got[theirs]["eval_loss"], rel=rel), ours
     log = (tmp_path / "outputs/hsdp-syncbn/train.log").read_text()
-    assert "mesh replicate 2 x shard 1" in log
+    assert "mesh replicate 2 x slice 1" in log

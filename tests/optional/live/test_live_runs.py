@@ -56,8 +56,8 @@ def _verdicts(run_dir: Path) -> dict[int, int]:
     found = {}
     for path in run_dir.glob("rank*/metrics.jsonl"):
         for row in jsonl(path):
-            if "shards/verdict_ok" in row:
-                found[row["step"]] = (row["shards/verdict_ok"], row["shards/total_samples"])
+            if "shares/verdict_ok" in row:
+                found[row["step"]] = (row["shares/verdict_ok"], row["shares/total_samples"])
     return found
 
 

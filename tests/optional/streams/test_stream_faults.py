@@ -126,8 +126,8 @@ def test_a_stream_split_by_the_workers_environment_reads_each_ranks_share(conf, 
     proc = launch(conf, tmp_path, "data.sized=true", "epochs=1", "log_every=1")
     d = assert_one_run_dir(tmp_path, W)
     rows = jsonl(d / "rank0" / "metrics.jsonl")
-    (report,) = [r for r in rows if "shards/verdict_ok" in r]
-    assert report["shards/verdict_ok"] == 1 and report["shards/coverage"] == 1.0
+    (report,) = [r for r in rows if "shares/verdict_ok" in r]
+    assert report["shares/verdict_ok"] == 1 and report["shares/coverage"] == 1.0
     assert [r["data/samples"] for r in rows if "data/samples" in r] == [719]
     lrs = [r["train/lr"] for r in rows if "train/lr" in r]
     assert len(lrs) == 24 and min(lrs[:-1]) > 0, lrs  # 360 + 359 a rank: 12 + 12 batches

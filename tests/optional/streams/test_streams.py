@@ -255,7 +255,7 @@ def epoch_rows(run_dir: Path, rank: int) -> list[dict]:
 
 
 def shard_rows(run_dir: Path) -> list[dict]:
-    return [r for r in jsonl(run_dir / "rank0" / "metrics.jsonl") if "shards/verdict_ok" in r]
+    return [r for r in jsonl(run_dir / "rank0" / "metrics.jsonl") if "shares/verdict_ok" in r]
 
 
 @pytest.mark.slow
@@ -270,8 +270,8 @@ def test_a_stream_that_shards_itself_trains_with_the_verdict_ok(conf, tmp_path) 
             [360, 359],
         ]
     report = shard_rows(d)
-    assert [r["shards/verdict_ok"] for r in report] == [1, 1]
-    assert report[-1]["shards/coverage"] == 1.0 and report[-1]["shards/overlap"] == 0
+    assert [r["shares/verdict_ok"] for r in report] == [1, 1]
+    assert report[-1]["shares/coverage"] == 1.0 and report[-1]["shares/overlap"] == 0
     assert "verdict ok" in proc.stdout + proc.stderr
     assert "shares.png" not in [p.name for p in d.iterdir()]  # a stream has no layout
 
@@ -282,13 +282,13 @@ def test_a_stream_without_a_worker_split_is_a_shard_mismatch_naming_every_worker
 ) -> None:
     proc = launch(conf, tmp_path, "data=own_stream", "data.split_by_worker=false", "epochs=1")
     out = proc.stdout + proc.stderr
-    assert "SHARD MISMATCH in epoch 0" in out
+    assert "SHARE MISMATCH in epoch 0" in out
     assert "on rank 0, 1 every sample was read by each loader worker" in out
     for r in range(W):
         for k in range(K):
             assert f"rank {r} worker {k}: 719 samples" in out
     (report,) = shard_rows(assert_one_run_dir(tmp_path, W))
-    assert report["shards/verdict_ok"] == 0 and report["shards/overlap"] == N
+    assert report["shares/verdict_ok"] == 0 and report["shares/overlap"] == N
 
 
 def test_a_stream_that_yields_no_key_stops_the_run_in_one_sentence(conf, tmp_path) -> None:
@@ -326,8 +326,8 @@ def test_hugging_face_streaming_from_parquet(
     assert [epoch_rows(d, r)[0]["data/batches"] for r in range(W)] == [batches] * W
     if shards == "three":  # rank 0 had a 24th batch, rank 1 none: all stopped there
         assert "rank 0 worker 0: 1 (d1437)" in proc.stdout + proc.stderr
-    assert report["shards/unread"] == (shards == "three")
-    assert report["shards/verdict_ok"] == (verdict == "verdict ok")
+    assert report["shares/unread"] == (shards == "three")
+    assert report["shares/verdict_ok"] == (verdict == "verdict ok")
 
 
 @pytest.mark.slow
@@ -345,9 +345,9 @@ def test_uneven_join_trains_every_rank_on_all_of_its_stream(conf, tmp_path) -> N
         assert [row["data/batches"] for row in rows] == [24, 23]
         assert sum(row["data/samples"] for row in rows) == N
         assert [row["step"] for row in rows] == [24 * (epoch + 1)] * W
-        assert report["shards/verdict_ok"] == 1
-        assert report["shards/total_samples"] == N and report["shards/coverage"] == 1.0
-        assert (report["shards/unread"], report["shards/repeats"]) == (0, 0)
+        assert report["shares/verdict_ok"] == 1
+        assert report["shares/total_samples"] == N and report["shares/coverage"] == 1.0
+        assert (report["shares/unread"], report["shares/repeats"]) == (0, 0)
     assert "left unread" not in proc.stdout + proc.stderr
 
 

@@ -147,9 +147,9 @@ def lm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def report_rows(run_dir: Path) -> list[tuple[int, int]]:
     rows = jsonl(run_dir / "rank0" / "metrics.jsonl")
     return [
-        (r["shards/verdict_ok"], r["shards/total_samples"])
+        (r["shares/verdict_ok"], r["shares/total_samples"])
         for r in rows
-        if "shards/verdict_ok" in r
+        if "shares/verdict_ok" in r
     ]
 
 
@@ -166,7 +166,7 @@ def test_every_epoch_reads_every_window_once_and_evaluates_exactly(lm) -> None:
     for r in rows:
         assert r["keys"] == [f"train.bin[{32 * i}:{32 * i + 33}]" for i in r["indices"]]
     (wb,) = [r for r in find_runs(run_dir) if r.path.is_relative_to(run_dir / "rank0")]
-    paths = [row["shards/report.path"] for row in wb.history if "shards/report.path" in row]
+    paths = [row["shares/report.path"] for row in wb.history if "shares/report.path" in row]
     table = json.loads((wb.path.parent / "files" / paths[-1]).read_text())
     rows = [dict(zip(table["columns"], values, strict=True)) for values in table["data"]]
     assert [(r["rank"], r["samples"], r["tokens"]) for r in rows] == [

@@ -3,7 +3,7 @@
 Every rank's loader reads rank 0's ranges of the epoch plan (webdataset's missing
 ``nodesplitter``: every rank the same data). Run with ``dist.start_method=fork`` and
 ``loader.num_workers=0``, so the ranks read in the patched process; test_webdataset shows the
-epoch ends in a loud SHARD MISMATCH instead of a hang or a silent epoch.
+epoch ends in a loud SHARE MISMATCH instead of a hang or a silent epoch.
 """
 
 from __future__ import annotations

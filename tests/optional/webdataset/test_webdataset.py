@@ -6,7 +6,7 @@ loaders are known for) are checked in-process; three real launches (a reference,
 and its resume) prove what only a run can: the run finishes with equal steps on every rank,
 each epoch reads every sample exactly once plus only the named pads, and a kill -9 mid-epoch
 resumes to bit-identical weights with a joined ledger equal to the uninterrupted one. One
-fork-started launch shows a mutation ends in a loud SHARD MISMATCH, not a hang.
+fork-started launch shows a mutation ends in a loud SHARE MISMATCH, not a hang.
 """
 
 from __future__ import annotations
@@ -410,10 +410,10 @@ def test_uneven_shards_on_2_ranks_x_2_workers_every_sample_once_equal_steps(refe
     rows = {r: jsonl(reference / f"rank{r}" / "metrics.jsonl") for r in range(W)}
     epochs = {r: [row for row in rows[r] if "data/fingerprint" in row] for r in range(W)}
     assert [len(epochs[r]) for r in range(W)] == [2, 2]
-    report = [row for row in rows[0] if "shards/verdict_ok" in row]
-    assert [row["shards/verdict_ok"] for row in report] == [1, 1]
-    assert all(row["shards/coverage"] == 1.0 and row["shards/overlap"] == 1 for row in report)
-    assert all(row["shards/repeats"] == 1 for row in report)  # the one pad, named in the log
+    report = [row for row in rows[0] if "shares/verdict_ok" in row]
+    assert [row["shares/verdict_ok"] for row in report] == [1, 1]
+    assert all(row["shares/coverage"] == 1.0 and row["shares/overlap"] == 1 for row in report)
+    assert all(row["shares/repeats"] == 1 for row in report)  # the one pad, named in the log
     book = ledger(reference)
     for e in range(2):
         assert {epochs[r][e]["data/samples"] for r in range(W)} == {31}
@@ -468,7 +468,7 @@ def test_a_node_split_removed_in_a_real_run_is_a_loud_mismatch_not_a_hang(shards
     cmd[1] = str(Path(__file__).with_name("shard_mutation.py"))  # every rank as rank 0
     proc = run(cmd, env=run_env(RUN_ID="mutant"), timeout=120, leftovers=10)
     out = proc.stdout + proc.stderr
-    assert "SHARD MISMATCH in epoch 0" in out, out[-3000:]
+    assert "SHARE MISMATCH in epoch 0" in out, out[-3000:]
     assert "rank 1 saw indices that differ" in out
 
 

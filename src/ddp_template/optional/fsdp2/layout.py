@@ -34,7 +34,7 @@ from ddp_template.errors import Misfit, Unanimous
 from ddp_template.parallel import uncompiled
 
 
-def build_fsdp2(cfg: ParallelConfig, info: DistInfo, *, amp: str) -> FullySharded:
+def build_fsdp2(cfg: ParallelConfig, info: DistInfo, *, amp: str) -> Fsdp2Layout:
     """The ``parallel=fsdp2`` builder: the mesh over this run's ranks and the policies (its
     refusals, decided from the config and the world size, are every rank's alike)."""
     if cfg.offload and info.device.type != "cuda":
@@ -46,38 +46,38 @@ def build_fsdp2(cfg: ParallelConfig, info: DistInfo, *, amp: str) -> FullySharde
     if world % cfg.replicate:
         raise Unanimous(
             f"parallel.replicate={cfg.replicate} does not divide the world size {world} into "
-            f"groups of equal size; choose a divisor of {world} (1: shard over all ranks)."
+            f"groups of equal size; choose a divisor of {world} (1: slice over all ranks)."
         )
     if not dist.is_initialized():  # one process: a group of one, so fully_shard has a mesh
         backend = "nccl" if info.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     shape = (cfg.replicate, world // cfg.replicate) if cfg.replicate > 1 else (world,)
-    names = ("replicate", "shard") if cfg.replicate > 1 else ("shard",)
+    names = ("replicate", "slice") if cfg.replicate > 1 else ("slice",)
     mesh = init_device_mesh(info.device.type, shape, mesh_dim_names=names)
     bf16 = torch.bfloat16 if amp == "bf16" else None
-    return FullySharded(cfg=cfg, mesh=mesh, param_dtype=bf16)
+    return Fsdp2Layout(cfg=cfg, mesh=mesh, param_dtype=bf16)
 
 
 @dataclass(kw_only=True)
-class FullySharded:
+class Fsdp2Layout:
     """The ``Parallel`` of ``parallel=fsdp2`` (see ``ddp_template.parallel``)."""
 
     cfg: ParallelConfig
     mesh: DeviceMesh
     param_dtype: torch.dtype | None  # amp=bf16: the forward's parameters in bfloat16
     sliced: bool = True
-    units: list[str] = field(default_factory=list)  # what was sharded besides the root
+    units: list[str] = field(default_factory=list)  # what was sliced besides the root
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """``fully_shard`` on each unit, innermost first, then on the root (in place)."""
-        self._shard(module)
+        self._slice(module)
         return module
 
     def mirror(self, copy: nn.Module) -> nn.Module:
-        self._shard(copy)
+        self._slice(copy)
         return copy
 
-    def _shard(self, module: nn.Module) -> None:
+    def _slice(self, module: nn.Module) -> None:
         self.units = unit_names(module, self.cfg.units)  # a copy of the model has the same
         kwargs: dict[str, Any] = {
             "mesh": self.mesh,
@@ -94,7 +94,7 @@ class FullySharded:
         fully_shard(module, mp_policy=root, **kwargs)
 
     def sync(self, trained: nn.Module, sync: bool) -> AbstractContextManager:
-        # Off: the micro-batch's gradients accumulate unsharded on this rank, with no
+        # Off: the micro-batch's gradients accumulate whole on this rank, with no
         # reduce-scatter, until the step's last micro-batch reduces their sum.
         uncompiled(trained).set_requires_gradient_sync(sync)
         return nullcontext()

@@ -4,7 +4,7 @@ A step commits once its gradient all-reduce has completed: a completed all-reduc
 member's contribution, so if any survivor completed step S, every sample of S trained. The
 regroup orders that survivor first (the new rank 0, the furthest on); a survivor one step
 behind (its all-reduce broke) adds the micro-batches it held for S to its ledger, and every
-survivor's weights, optimizer, schedule, scaler, EMA and step become rank 0's. A step no
+survivor's weights, optimizer, LR schedule, scaler, EMA and step become rank 0's. A step no
 survivor completed is uncommitted: its micro-batches leave every ledger and its samples stay in
 the epoch's rest, which the new group deals among itself (the elastic-resume path, as from a
 checkpoint of the old world size). A lost rank's ledger is derived from the deal (the positions
@@ -25,7 +25,7 @@ from ddp_template.distributed import DistInfo, broadcast_object, gather_objects
 from ddp_template.ledger.records import SavedLedger
 from ddp_template.ledger.tally import IndexTally, join_ledgers
 from ddp_template.optional.live import keys
-from ddp_template.tolerance import Segment
+from ddp_template.tolerance import Held
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Claim(NamedTuple):
     dropped: int  # samples of an uncommitted step it had read (back to the epoch's rest)
 
 
-def handover(held: Segment | None, info: DistInfo, target: int) -> Found:
+def handover(held: Held | None, info: DistInfo, target: int) -> Found:
     """Every member's claim gathered; rank 0 (a survivor at ``target``, the committed step)
     makes the checkpoint every member restores (collectives of the new group)."""
     claims = gather_objects(_claim(held, target), info)
@@ -76,7 +76,7 @@ def handover(held: Segment | None, info: DistInfo, target: int) -> Found:
     return Found(Path(f"<regroup at step {target}>"), payload)
 
 
-def _claim(held: Segment | None, target: int) -> Claim:
+def _claim(held: Held | None, target: int) -> Claim:
     if held is None:
         return Claim(None, None, 0)
     state, tr = held.state, held.trainer
@@ -94,7 +94,7 @@ def _claim(held: Segment | None, target: int) -> Claim:
     return Claim(tr.info.rank, parts, dropped)
 
 
-def _payload(held: Segment, claims: list[Claim]) -> tuple[dict[str, Any], list[int]]:
+def _payload(held: Held, claims: list[Claim]) -> tuple[dict[str, Any], list[int]]:
     """Rank 0's checkpoint payload: its own parts, and every old rank's per-rank parts (a lost
     one's ledger derived from the deal); the old ranks whose ledger was derived."""
     observed = {c.old_rank: c.parts for c in claims if c.parts is not None}
@@ -108,18 +108,18 @@ def _payload(held: Segment, claims: list[Claim]) -> tuple[dict[str, Any], list[i
     return held.ckpt.payload(ranks=ranks), derived
 
 
-def derived_ledger(held: Segment, rank: int) -> SavedLedger:
-    """``rank``'s ledger of this layout's part of the epoch, up to the committed position:
+def derived_ledger(held: Held, rank: int) -> SavedLedger:
+    """``rank``'s ledger of this deal's part of the epoch, up to the committed position:
     the micro-batches its list held, as the loop would have read them."""
     state, tr = held.state, held.trainer
-    sampler, schedule = tr.sampler, tr.schedule
+    sampler, epoch_steps = tr.sampler, tr.schedule
     workers, first = sampler.worker_lanes(0)
     tally = IndexTally(workers=workers, first_worker=first)
-    size = schedule.batch_size
-    for k in range(schedule.steps_done(state.position)):
-        start, stop = schedule.span(k)
+    size = epoch_steps.batch_size
+    for k in range(epoch_steps.steps_done(state.position)):
+        start, stop = epoch_steps.span(k)
         for lo in range(start, stop, size):
-            n = schedule.held(rank, lo, min(lo + size, stop))
+            n = epoch_steps.held(rank, lo, min(lo + size, stop))
             if n:
                 tally.add(sampler.index_at(np.arange(lo, lo + n, dtype=np.int64), rank=rank))
     if not state.position:

@@ -32,7 +32,7 @@ from ddp_template.config.schema import BackendConfig, FaultToleranceConfig
 from ddp_template.distributed import DistInfo
 from ddp_template.optional.live import keys
 from ddp_template.optional.live.handover import handover
-from ddp_template.tolerance import MEMBERSHIP_VAR, Segment, Start
+from ddp_template.tolerance import MEMBERSHIP_VAR, Held, Start
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class Live:
         solo = (self.gen + 1) * PROCESS_RANKS + self.incarnation * 1024 + self.slot + 1
         dist._reconfigure(uuid=solo, handles=[dist._get_reconfigure_handle()]).wait()
 
-    def handover(self, held: Segment, info: DistInfo) -> Found:
+    def handover(self, held: Held, info: DistInfo) -> Found:
         return handover(held, info, self.target)
 
     def _regroup(self, *, step: int, joining: bool) -> DistInfo:

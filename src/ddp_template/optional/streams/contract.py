@@ -2,7 +2,7 @@
 streaming, a WebDataset pipeline, a generator) as the training split.
 
 A stream's items are ``(x, y, key)``: the key is an int index or a string (WebDataset's
-``__key__``, an ``id`` column), hashed into the fingerprints. The template does not shard a
+``__key__``, an ``id`` column), hashed into the fingerprints. The template does not split a
 stream (your stack does); it reads it as it comes, tags every item in the process that reads
 it with its key's hash and the loader worker's id (:class:`Tagged`), and audits what each
 (rank, worker) read (``streams.verify``). What the epoch should hold, when known, is
@@ -182,7 +182,7 @@ def check_run(cfg: Any, splits: Any) -> None:
 
 
 def check_horizon(cfg: Any, train: Any) -> None:
-    """Refuse a schedule that needs the run's length when the stream does not declare its size:
+    """Refuse an LR schedule that needs the run's length when the stream does not declare its size:
     ``StreamPosition.epoch_length`` would be one batch per loader worker past the first (none
     without workers), so the cosine would reach 0 within the run's first steps."""
     if str(cfg.optim.schedule) == "cosine" and Expected.of(train) is None:
@@ -196,7 +196,7 @@ def check_horizon(cfg: Any, train: Any) -> None:
 @dataclass(kw_only=True)
 class StreamPosition:
     """A stream in the sampler's place: the template deals nothing, so this holds only what
-    the loop, the schedule and the logs ask a sampler for."""
+    the loop, the step arithmetic and the logs ask a sampler for."""
 
     expected: Expected | None
     world_size: int

@@ -57,8 +57,8 @@ class Joined:
         """Every batch of this rank's stream as ``((x, y, keys, worker), 1.0, True)`` (one a
         step), up to ``max_steps_per_epoch``."""
         self.unread = [(0, []) for _ in range(self.workers)]
-        loader, schedule = tr.loader, tr.schedule
-        it, k, cap = iter(loader), schedule.steps_done(position), schedule.max_steps_per_epoch
+        loader, epoch_steps = tr.loader, tr.schedule
+        it, k, cap = iter(loader), epoch_steps.steps_done(position), epoch_steps.max_steps_per_epoch
         while cap is None or k < cap:
             batch = next(it, None)
             if batch is None:

@@ -1,6 +1,6 @@
 """Uneven ends of a stream: every step, the ranks agree whether all still have data.
 
-A stream the template cannot plan may end on one rank before another (a shard count the
+A stream the template cannot plan may end on one rank before another (a file count the
 world size does not divide, a filter that drops more on one rank): a rank whose loader is
 exhausted would leave DDP's all-reduce waiting for it for good. So before each optimizer step
 every rank all-reduces one int (MIN of "I have this step's micro-batches"): all train the step
@@ -63,10 +63,10 @@ class Agreement:
         """The epoch's micro-batches as ``((x, y, keys, worker), weight, last)`` while every
         rank has a whole step of them, up to ``max_steps_per_epoch``."""
         self.unread = [(0, []) for _ in range(self.workers)]
-        loader, schedule = tr.loader, tr.schedule
-        it, k, cap = iter(loader), schedule.steps_done(position), schedule.max_steps_per_epoch
-        step = _take(it, schedule.accumulate)
-        agreed = self._agree(step, schedule.accumulate)
+        loader, epoch_steps = tr.loader, tr.schedule
+        it, k, cap = iter(loader), epoch_steps.steps_done(position), epoch_steps.max_steps_per_epoch
+        step = _take(it, epoch_steps.accumulate)
+        agreed = self._agree(step, epoch_steps.accumulate)
         while cap is None or k < cap:
             if not _wait(agreed):
                 self._leave(step, it)
@@ -74,8 +74,8 @@ class Agreement:
             k += 1
             ahead = None
             if cap is None or k < cap:  # the next step's agreement overlaps this step
-                upcoming = _take(it, schedule.accumulate)
-                ahead = self._agree(upcoming, schedule.accumulate)
+                upcoming = _take(it, epoch_steps.accumulate)
+                ahead = self._agree(upcoming, epoch_steps.accumulate)
             total = sum(len(b[1]) for b in step)
             for j, ((x, y, _), keys, worker, _names) in enumerate(step):
                 yield (x, y, keys, worker), len(keys) / total, j == len(step) - 1

@@ -1,4 +1,4 @@
-"""A token file: a flat array of token ids (nanoGPT's ``.bin`` layout: little-endian uint16, or
+"""A token file: a flat array of token ids (nanoGPT's ``.bin`` format: little-endian uint16, or
 uint32 for vocabularies over 65,536) beside ``meta.json``, the directory's metadata.
 
 ``meta.json`` gives the dtype, the vocabulary size, the tokenizer (``bytes``: one token per

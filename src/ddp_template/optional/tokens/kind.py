@@ -2,7 +2,7 @@
 
 Map-style data (every sampler mode, feistel for huge N, exact, elastic resume and replay as
 for any ``Planned`` data) whose samples are windows of one file: the epoch's report adds each
-rank's tokens to its row (the ``shards/report`` table's ``tokens`` column) and names the
+rank's tokens to its row (the ``shares/report`` table's ``tokens`` column) and names the
 file's tail, the tokens after the last whole window, among its drops.
 """
 

@@ -13,8 +13,8 @@ sequentially. A rank's *positions* count in the order its DataLoader hands batch
 robin over its workers, batch ``c`` from worker ``c mod K``; the worker ranges are laid out so
 that the one short batch comes last.
 
-:class:`PlanSampler` is a :class:`ShareSampler` of this layout: the shard check, the coverage,
-``replay``, the shard picture and the checkpoint's position read it as they read any sampler.
+:class:`PlanSampler` is a :class:`ShareSampler` of this deal: the share check, the coverage,
+``replay``, the shares picture and the checkpoint's position read it as they read any sampler.
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ class ShardOrder:
 
 @dataclass(frozen=True)
 class OrderRule:
-    """A sampler mode's lengths with the plan's layout: one contiguous range of slots per
+    """A sampler mode's lengths with the plan's order: one contiguous range of slots per
     rank, cut into one contiguous range of whole batches per worker, positions counted in the
-    DataLoader's round-robin order. ``slots``/``owners`` are ``ModeRule``'s, in this layout."""
+    DataLoader's round-robin order. ``slots``/``owners`` are ``ModeRule``'s, in this order."""
 
     mode: ModeRule
     n: int
@@ -97,9 +97,9 @@ class OrderRule:
         length = self.mode.rank_length(self.n, rank, self.world)
         batches, k = ceil_div(length, self.batch_size), self.workers
         counts = batches // k + (np.arange(k) < batches % k)
-        layout = np.roll(np.arange(k), -(batches % k))  # the workers in slot order
+        order = np.roll(np.arange(k), -(batches % k))  # the workers in slot order
         first = np.zeros(k, dtype=np.int64)
-        first[layout] = np.cumsum(counts[layout]) - counts[layout]
+        first[order] = np.cumsum(counts[order]) - counts[order]
         return first, counts.astype(np.int64)
 
     def worker_of(self, positions: np.ndarray) -> np.ndarray:
