@@ -8,7 +8,7 @@ its epoch ends where the ranks agree (``stop``, ``uneven=stop``) or under torch'
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from torch.utils.data import DataLoader, Dataset
 
@@ -102,6 +102,6 @@ class Streamed:
     def verify(
         self, stats: EpochStats, tr: Trainer, state: TrainState, start: int, metrics: dict
     ) -> EpochReport | None:
-        unread = tr.feed.unread  # per worker: what this rank's feed left at an uneven end
+        unread = cast("Agreement | Joined", tr.feed).unread  # per worker: left at an uneven end
         step_s = metrics["perf/step_s"]
         return verify_stream(stats.tally, unread, tr.sampler.expected, step_s, tr.info)
