@@ -25,6 +25,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
+from ddp_template.data.contract import Sampler
+
 _Steps = TypeVar("_Steps", bound="EpochSteps")
 
 
@@ -83,7 +85,9 @@ class EpochSteps:
         )
 
     @classmethod
-    def of_sampler(cls: type[_Steps], cfg: Any, sampler: Any, *, steps_before: int = 0) -> _Steps:
+    def of_sampler(
+        cls: type[_Steps], cfg: Any, sampler: Sampler, *, steps_before: int = 0
+    ) -> _Steps:
         """:meth:`of_run` for ``sampler``'s current epoch (its lengths)."""
         return cls.of_run(
             cfg,

@@ -14,7 +14,7 @@ from typing import Any, cast
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_template.config.schema import LoaderConfig, SamplerConfig
-from ddp_template.data.contract import MapData
+from ddp_template.data.contract import MapData, Sampler
 from ddp_template.data.loader import check_world, training_loader
 from ddp_template.distributed import DistInfo
 from ddp_template.kind import Planned
@@ -58,7 +58,7 @@ class Sharded(Planned):
     def loader(
         self,
         dataset: Dataset,
-        sampler: Any,
+        sampler: Sampler,
         cfg: LoaderConfig,
         *,
         seed: int,
