@@ -16,7 +16,7 @@ The kinds beside this one live in folders of their own that the core never impor
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol, cast
+from typing import ClassVar, Protocol, cast
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
@@ -30,6 +30,7 @@ from ddp_template.engine import EpochStats, Feed, PlannedFeed, Trainer, TrainSta
 from ddp_template.errors import ConfigError
 from ddp_template.ledger.records import EpochReport
 from ddp_template.ledger.verify import verify_epoch
+from ddp_template.switches import Switch
 
 
 class DataKind(Protocol):
@@ -69,7 +70,7 @@ class DataKind(Protocol):
     def steps(self, cfg: Config, sampler: Sampler, *, steps_before: int = 0) -> EpochSteps:
         """The optimizer steps of the sampler's current epoch."""
 
-    def feed(self, cfg: Config, info: DistInfo, switches: dict[str, Any]) -> Feed:
+    def feed(self, cfg: Config, info: DistInfo, switches: dict[str, Switch]) -> Feed:
         """How an epoch's batches come and its end is met."""
 
     def verify(
@@ -131,7 +132,7 @@ class Planned:
     def steps(self, cfg: Config, sampler: Sampler, *, steps_before: int = 0) -> EpochSteps:
         return EpochSteps.of_sampler(cfg, sampler, steps_before=steps_before)
 
-    def feed(self, cfg: Config, info: DistInfo, switches: dict[str, Any]) -> Feed:
+    def feed(self, cfg: Config, info: DistInfo, switches: dict[str, Switch]) -> Feed:
         return PlannedFeed()
 
     def verify(
