@@ -77,7 +77,7 @@ from ddp_template.sinks.metrics import RankLogger, log
 from ddp_template.sinks.share_plot import draw_shares_async
 from ddp_template.spike import build_spikes
 from ddp_template.splits import build_splits
-from ddp_template.switches import build_switches
+from ddp_template.switches import Switch, build_switches
 from ddp_template.task import EvalResult, build_task, objective, register_sweep_direction
 from ddp_template.tolerance import Held, Tolerance, build_tolerance
 
@@ -97,7 +97,7 @@ class Built(NamedTuple):
     splits: Splits
     evaluation: Evaluation
     selection: Selection
-    switches: dict[str, Any]  # the research-loop switches that are on, by name
+    switches: dict[str, Switch]  # the research-loop switches that are on, by name
 
 
 def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Built:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ddp_template.data.contract import Sampler
 from ddp_template.data.sampler_state import check_order
 from ddp_template.engine import Trainer, TrainState
 from ddp_template.errors import Misfit
@@ -77,7 +78,7 @@ class Progress:
 class SamplerPosition:
     """This rank's sampler at ``state.position`` (the sampler refuses its own misfits)."""
 
-    sampler: Any
+    sampler: Sampler
     state: TrainState
 
     def state_dict(self) -> dict[str, Any]:
@@ -91,7 +92,8 @@ class SamplerPosition:
         check_order(self.sampler, saved[0])
         self.sampler.set_epoch(self.state.epoch)
         if self.state.prior:
-            self.sampler.continue_epoch(self.state.epoch, self.state.prior)
+            resized: Any = self.sampler  # a prior: planned data's ShareSampler (records as dicts)
+            resized.continue_epoch(self.state.epoch, self.state.prior)
 
 
 @dataclass(kw_only=True)

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_template.amp import autocast
-from ddp_template.data.contract import batch_len, empty_batch, to_device
+from ddp_template.data.contract import Sampler, batch_len, empty_batch, to_device
 from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.distributed import DistInfo
 from ddp_template.ledger.records import PriorStretch, SavedLedger
@@ -91,7 +91,7 @@ class Trainer:
     scheduler: Any
     scaler: torch.amp.GradScaler
     loader: Any
-    sampler: Any
+    sampler: Sampler
     info: DistInfo
     amp_mode: str = "off"
     grad_clip: float | None = None

@@ -16,19 +16,21 @@ The kinds beside this one live in folders of their own that the core never impor
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol, cast
+from typing import ClassVar, Protocol, cast
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ddp_template.config.schema import Config, LoaderConfig, SamplerConfig
-from ddp_template.data.contract import MapData, Splits
+from ddp_template.data.contract import MapData, Sampler, Splits
 from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.data.loader import build_train_loader, build_train_sampler
+from ddp_template.data.samplers import ShareSampler
 from ddp_template.distributed import DistInfo
 from ddp_template.engine import EpochStats, Feed, PlannedFeed, Trainer, TrainState
 from ddp_template.errors import ConfigError
 from ddp_template.ledger.records import EpochReport
 from ddp_template.ledger.verify import verify_epoch
+from ddp_template.switches import Switch
 
 
 class DataKind(Protocol):
@@ -50,13 +52,13 @@ class DataKind(Protocol):
         seed: int,
         info: DistInfo,
         loader: LoaderConfig,
-    ) -> Any:
+    ) -> Sampler:
         """The ``sampler`` group's builder for this kind."""
 
     def loader(
         self,
         dataset: Dataset,
-        sampler: Any,
+        sampler: Sampler,
         cfg: LoaderConfig,
         *,
         seed: int,
@@ -65,10 +67,10 @@ class DataKind(Protocol):
     ) -> DataLoader:
         """The ``loader`` group's training loader for this kind."""
 
-    def steps(self, cfg: Config, sampler: Any, *, steps_before: int = 0) -> EpochSteps:
+    def steps(self, cfg: Config, sampler: Sampler, *, steps_before: int = 0) -> EpochSteps:
         """The optimizer steps of the sampler's current epoch."""
 
-    def feed(self, cfg: Config, info: DistInfo, switches: dict[str, Any]) -> Feed:
+    def feed(self, cfg: Config, info: DistInfo, switches: dict[str, Switch]) -> Feed:
         """How an epoch's batches come and its end is met."""
 
     def verify(
@@ -110,13 +112,13 @@ class Planned:
         seed: int,
         info: DistInfo,
         loader: LoaderConfig,
-    ) -> Any:
+    ) -> ShareSampler:
         return build_train_sampler(cast(MapData, dataset), cfg, seed=seed, info=info)
 
     def loader(
         self,
         dataset: Dataset,
-        sampler: Any,
+        sampler: Sampler,
         cfg: LoaderConfig,
         *,
         seed: int,
@@ -124,12 +126,13 @@ class Planned:
         info: DistInfo,
     ) -> DataLoader:
         data = cast(MapData, dataset)  # accept() refused an IterableDataset
-        return build_train_loader(data, sampler, cfg, seed=seed, drop_last=drop_last, info=info)
+        shares = cast(ShareSampler, sampler)  # this kind's sampler(): a ShareSampler
+        return build_train_loader(data, shares, cfg, seed=seed, drop_last=drop_last, info=info)
 
-    def steps(self, cfg: Config, sampler: Any, *, steps_before: int = 0) -> EpochSteps:
+    def steps(self, cfg: Config, sampler: Sampler, *, steps_before: int = 0) -> EpochSteps:
         return EpochSteps.of_sampler(cfg, sampler, steps_before=steps_before)
 
-    def feed(self, cfg: Config, info: DistInfo, switches: dict[str, Any]) -> Feed:
+    def feed(self, cfg: Config, info: DistInfo, switches: dict[str, Switch]) -> Feed:
         return PlannedFeed()
 
     def verify(

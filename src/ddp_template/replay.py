@@ -109,9 +109,10 @@ class Run:
             host="replay",
         )
         cfg = self.cfg
-        return self.kind.sampler(
+        sampler = self.kind.sampler(
             self.train, cfg.sampler, seed=cfg.seed, info=info, loader=cfg.loader
         )
+        return cast(ShareSampler, sampler)  # replay reads planned data
 
     @property
     def total_steps(self) -> int:

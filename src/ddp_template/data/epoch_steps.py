@@ -21,9 +21,13 @@ incomplete global batch is dropped, as one process with W times the batch would 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
+
+from ddp_template.data.contract import Sampler
+
+_Steps = TypeVar("_Steps", bound="EpochSteps")
 
 
 class StepBatch(NamedTuple):
@@ -57,8 +61,13 @@ class EpochSteps:
 
     @classmethod
     def of_run(
-        cls, cfg: Any, *, length: int, rank_lengths: tuple[int, ...], steps_before: int = 0
-    ) -> EpochSteps:
+        cls: type[_Steps],
+        cfg: Any,
+        *,
+        length: int,
+        rank_lengths: tuple[int, ...],
+        steps_before: int = 0,
+    ) -> _Steps:
         """The run's step arithmetic (``train.build`` and ``replay`` both read it): ``cfg`` is
         the run's ``Config``, ``length`` its sampler's positions per rank (the longest list),
         ``rank_lengths`` each rank's own where they differ (``sampler=exact``). The rest of an
@@ -76,7 +85,9 @@ class EpochSteps:
         )
 
     @classmethod
-    def of_sampler(cls, cfg: Any, sampler: Any, *, steps_before: int = 0) -> EpochSteps:
+    def of_sampler(
+        cls: type[_Steps], cfg: Any, sampler: Sampler, *, steps_before: int = 0
+    ) -> _Steps:
         """:meth:`of_run` for ``sampler``'s current epoch (its lengths)."""
         return cls.of_run(
             cfg,

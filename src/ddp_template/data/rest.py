@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ddp_template.data.sampler_modes import ModeRule
+from ddp_template.data.sampler_modes import SlotRule
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +34,7 @@ class Prefix:
     """Positions [0, ``position``) of every list of an epoch's deal over ``world`` ranks of a
     sequence of ``n`` samples, consumed; ``size`` samples of it are left."""
 
-    rule: ModeRule
+    rule: SlotRule
     n: int
     world: int
     position: int
@@ -88,7 +88,7 @@ class Prefix:
         return {"world_size": self.world, "position": self.position, "complete": self.complete}
 
 
-def prefixes(rule: ModeRule, n: int, records: list[dict[str, Any]]) -> list[Prefix]:
+def prefixes(rule: SlotRule, n: int, records: list[dict[str, Any]]) -> list[Prefix]:
     """The chain of prefixes one epoch was read in before this deal (oldest first), from
     their records (``world_size``, ``position``, ``complete``): each cuts what the one before
     it left."""

@@ -7,12 +7,38 @@ share check and the shares picture all read it; docs/ARCHITECTURE.md states the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class SlotRule(Protocol):
+    """What a sampler reads of its mode's deal: ``ModeRule``'s members. A ``ModeRule`` is
+    one; a sampler with a deal of its own (``optional.webdataset.plan.OrderRule``) gives the
+    mode's lengths with its own ``slots``/``owners``."""
+
+    @property
+    def summary(self) -> str: ...
+    @property
+    def shuffles(self) -> bool: ...
+    @property
+    def drops_tail(self) -> bool: ...
+    @property
+    def contiguous(self) -> bool: ...
+    @property
+    def uneven(self) -> bool: ...
+    def length(self, n: int, world: int) -> int: ...
+    def rank_length(self, n: int, rank: int, world: int) -> int: ...
+    def total(self, n: int, world: int) -> int: ...
+    def slots(self, positions: np.ndarray, rank: int, length: int, world: int) -> np.ndarray: ...
+    def owners(
+        self, slots: np.ndarray, length: int, world: int
+    ) -> tuple[np.ndarray, np.ndarray]: ...
+    def real_positions(self, n: int, rank: int, length: int, world: int) -> int: ...
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_template.data.feistel import FeistelPermutation
 from ddp_template.data.rest import Prefix, from_slots, prefixes, to_slots
 from ddp_template.data.sampler_args import as_bool, as_int, as_positions, resolve_world
-from ddp_template.data.sampler_modes import SAMPLER_MODES
+from ddp_template.data.sampler_modes import SAMPLER_MODES, SlotRule
 from ddp_template.data.sampler_state import resume_point, state_of
 
 _FIRST_BLOCK = 1024  # small first block: the first index arrives in well under a millisecond
@@ -74,6 +74,8 @@ class ShareSampler(DistributedSampler[int]):
     is dropped. DistributedSampler.__init__ only stores arguments and two lengths (O(1)).
     The sampler counts what it has yielded (`yielded`, as torchdata names it): see state_dict.
     """
+
+    rule: SlotRule  # the mode's deal (SAMPLER_MODES[mode]), or a subclass's own
 
     def __init__(
         self,

@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from ddp_template.data.contract import Sampler
 from ddp_template.distributed import DistInfo, gather_objects
 from ddp_template.ledger.records import (
     Coverage,
@@ -45,7 +46,7 @@ DEFINITION_PROBES = 64  # slots of the epoch hashed into a rank's definition dig
 
 
 def epoch_metrics(
-    stats: Any, sampler: Any, start: int, epoch: int, carried: SavedLedger | None = None
+    stats: Any, sampler: Sampler, start: int, epoch: int, carried: SavedLedger | None = None
 ) -> dict[str, float | str]:
     """This rank's ``data/*`` and ``perf/*`` numbers for one epoch that began at ``start``;
     an epoch resumed mid-way with ``carried`` (the ledger read before the resume) also gets

@@ -13,9 +13,11 @@ import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
+from ddp_template.data.contract import Sampler
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.data.samplers import ShareSampler
 from ddp_template.sinks.share_draw import Shares, draw_shares, save
@@ -36,7 +38,7 @@ def shares_from_sampler(sampler: ShareSampler) -> Shares:
     return Shares(mode=sampler.mode, num_samples=sampler.base_size, ranks=ranks, padding=padding)
 
 
-def draw_shares_async(sampler: ShareSampler, run_dir: Path) -> threading.Thread | None:
+def draw_shares_async(sampler: Sampler, run_dir: Path) -> threading.Thread | None:
     """Draw ``shares.png`` for the current epoch in a background thread (rank 0 only).
 
     matplotlib costs about a second to import and draw; a thread keeps that off the path to the
@@ -45,7 +47,8 @@ def draw_shares_async(sampler: ShareSampler, run_dir: Path) -> threading.Thread 
     if sampler.dataset_size > PICTURE_MAX_N:
         log.info("shares.png skipped: N=%d > %d", sampler.dataset_size, PICTURE_MAX_N)
         return None
-    frozen = copy.copy(sampler)  # the training loop moves on (set_epoch) while this draws
+    # a pictured kind's sampler: a ShareSampler; the loop moves on (set_epoch) while this draws
+    frozen = copy.copy(cast(ShareSampler, sampler))
 
     def draw() -> None:
         save_shares_png(run_dir / "shares.png", shares_from_sampler(frozen))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ddp_template.optional.webdataset.reader import PlanReader
 
-TRAIN = Path(__file__).resolve().parents[2] / "train.py"
+TRAIN = Path(__file__).resolve().parents[3] / "train.py"
 
 
 def _node_split_removed(self, loader_worker, epoch, start):

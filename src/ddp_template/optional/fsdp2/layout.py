@@ -15,7 +15,7 @@ from __future__ import annotations
 import fnmatch
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ddp_template.config.schema import ParallelConfig
@@ -96,12 +96,14 @@ class Fsdp2Layout:
     def sync(self, trained: nn.Module, sync: bool) -> AbstractContextManager:
         # Off: the micro-batch's gradients accumulate whole on this rank, with no
         # reduce-scatter, until the step's last micro-batch reduces their sum.
-        uncompiled(trained).set_requires_gradient_sync(sync)
+        # fully_shard made the root an FSDPModule (the module's class, extended in place)
+        cast(FSDPModule, uncompiled(trained)).set_requires_gradient_sync(sync)
         return nullcontext()
 
     def clip(self, trained: nn.Module, limit: float) -> torch.Tensor:
         params = [p for p in trained.parameters() if p.grad is not None]
-        total = nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        grads = [p.grad for p in params if p.grad is not None]  # all of them: typed Tensor
+        total = nn.utils.get_total_norm(grads, foreach=True)
         if isinstance(total, DTensor):  # each rank's slices' norm: reduced over the mesh
             total = total.full_tensor()
         nn.utils.clip_grads_with_norm_(params, limit, total, foreach=True)
@@ -118,6 +120,7 @@ class Fsdp2Layout:
 
     def describe(self) -> str:
         units = f"{len(self.units)} units ({_names(self.units)}) and the root"
+        assert self.mesh.mesh_dim_names is not None  # build_fsdp2 names every dimension
         mesh = " x ".join(
             f"{n} {s}" for n, s in zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True)
         )

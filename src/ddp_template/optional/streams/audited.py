@@ -96,7 +96,7 @@ class Audited:
         """The epoch's report on every rank (rank 0 prints it with ``echo``); starts the next
         epoch's record. A collective when torch.distributed is initialised."""
         own = (self.tally.worker_indices(), self.before, self.seconds)
-        rows = [own]
+        rows: list[Any] = [own]  # all_gather_object fills it from a list of None
         if dist.is_available() and dist.is_initialized():
             rows = [None] * dist.get_world_size()
             dist.all_gather_object(rows, own)

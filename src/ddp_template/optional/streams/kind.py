@@ -8,12 +8,12 @@ its epoch ends where the ranks agree (``stop``, ``uneven=stop``) or under torch'
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_template.config.schema import Config, LoaderConfig, SamplerConfig
-from ddp_template.data.contract import Splits, collate
+from ddp_template.data.contract import Sampler, Splits, collate
 from ddp_template.data.loader import training_loader
 from ddp_template.distributed import DistInfo
 from ddp_template.engine import EpochStats, Feed, Trainer, TrainState
@@ -68,7 +68,7 @@ class Streamed:
     def loader(
         self,
         dataset: Dataset,
-        sampler: Any,
+        sampler: Sampler,
         cfg: LoaderConfig,
         *,
         seed: int,
@@ -87,7 +87,7 @@ class Streamed:
             persistent_workers=False,
         )
 
-    def steps(self, cfg: Config, sampler: Any, *, steps_before: int = 0) -> StreamSteps:
+    def steps(self, cfg: Config, sampler: Sampler, *, steps_before: int = 0) -> StreamSteps:
         return StreamSteps.of_sampler(cfg, sampler, steps_before=steps_before)
 
     def feed(self, cfg: Config, info: DistInfo, switches: dict[str, Any]) -> Feed:
@@ -102,6 +102,7 @@ class Streamed:
     def verify(
         self, stats: EpochStats, tr: Trainer, state: TrainState, start: int, metrics: dict
     ) -> EpochReport | None:
-        unread = tr.feed.unread  # per worker: what this rank's feed left at an uneven end
+        unread = cast("Agreement | Joined", tr.feed).unread  # per worker: left at an uneven end
         step_s = metrics["perf/step_s"]
-        return verify_stream(stats.tally, unread, tr.sampler.expected, step_s, tr.info)
+        position = cast(StreamPosition, tr.sampler)  # this kind's sampler()
+        return verify_stream(stats.tally, unread, position.expected, step_s, tr.info)

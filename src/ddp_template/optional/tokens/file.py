@@ -18,7 +18,10 @@ from ddp_template.errors import ConfigError
 
 META = "meta.json"
 FORMAT = "ddp_template.optional.tokens/1"
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+DTYPES: dict[str, np.dtype[np.unsignedinteger]] = {
+    "uint16": np.dtype("<u2"),
+    "uint32": np.dtype("<u4"),
+}
 BYTES = "bytes"  # the tokenizer of byte-level files: token = one UTF-8 byte, vocabulary 256
 
 

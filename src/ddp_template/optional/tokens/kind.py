@@ -73,7 +73,9 @@ class Windowed(Planned):
         if report is None:
             return None
         block = self.cut.block_size
-        ranks = [WindowLine(**asdict(r), tokens=r.samples * block) for r in report.ranks]
+        ranks: list[RankLine] = [
+            WindowLine(**asdict(r), tokens=r.samples * block) for r in report.ranks
+        ]
         drops = [*report.drops, self.tail()] if self.cut.tail else report.drops
         tokens = report.total_samples * block
         log.info(

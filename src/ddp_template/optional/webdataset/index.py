@@ -112,7 +112,9 @@ def scan_shard(path: Path, key: str) -> dict:
             current["exts"].append(ext)
             current["stop"] = member.offset_data + member.size
             if ext == "cls":
-                raw = tar.extractfile(member).read().decode().strip()
+                member_file = tar.extractfile(member)
+                assert member_file is not None  # a regular file: isfile() above
+                raw = member_file.read().decode().strip()
                 try:
                     current["label"] = int(raw)
                 except ValueError:

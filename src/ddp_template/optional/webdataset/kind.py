@@ -9,11 +9,12 @@ carve) is read as map-style data.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_template.config.schema import LoaderConfig, SamplerConfig
+from ddp_template.data.contract import MapData, Sampler
 from ddp_template.data.loader import check_world, training_loader
 from ddp_template.distributed import DistInfo
 from ddp_template.kind import Planned
@@ -36,7 +37,7 @@ class Sharded(Planned):
         source = sharded_source(dataset)
         if source is None:
             return super().sampler(dataset, cfg, seed=seed, info=info, loader=loader)
-        check_world(dataset, cfg, info)
+        check_world(cast(MapData, dataset), cfg, info)  # shard samples: map-style too
         samples, _ = source
         order = ShardOrder(
             sizes=tuple(int(n) for n in samples.index.sizes),
@@ -57,7 +58,7 @@ class Sharded(Planned):
     def loader(
         self,
         dataset: Dataset,
-        sampler: Any,
+        sampler: Sampler,
         cfg: LoaderConfig,
         *,
         seed: int,
@@ -66,6 +67,8 @@ class Sharded(Planned):
     ) -> DataLoader:
         if not isinstance(sampler, PlanSampler):
             return super().loader(dataset, sampler, cfg, seed=seed, drop_last=drop_last, info=info)
-        samples, augment = sharded_source(dataset)
+        shards = sharded_source(dataset)
+        assert shards is not None  # sampler() makes a PlanSampler only over shard samples
+        samples, augment = shards
         source = PlanReader(samples, sampler, augment=augment)  # the workers read the plan
         return training_loader(source, cfg, seed=seed, drop_last=drop_last, info=info)

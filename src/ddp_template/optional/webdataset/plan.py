@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddp_template.data.sampler_modes import ModeRule, ceil_div
+from ddp_template.data.sampler_modes import SAMPLER_MODES, ModeRule, ceil_div
 from ddp_template.data.samplers import ShareSampler
 from ddp_template.errors import Misfit
 
@@ -82,10 +82,38 @@ class OrderRule:
     batch_size: int
     workers: int
 
-    def __getattr__(self, name: str) -> Any:  # lengths, tail, summary: the mode's own
-        if name.startswith("__") or name == "mode":  # unpickling: no recursion
-            raise AttributeError(name)
-        return getattr(self.mode, name)
+    # lengths, tail, summary: the mode's own
+    @property
+    def summary(self) -> str:
+        return self.mode.summary
+
+    @property
+    def shuffles(self) -> bool:
+        return self.mode.shuffles
+
+    @property
+    def drops_tail(self) -> bool:
+        return self.mode.drops_tail
+
+    @property
+    def contiguous(self) -> bool:
+        return self.mode.contiguous
+
+    @property
+    def uneven(self) -> bool:
+        return self.mode.uneven
+
+    def length(self, n: int, world: int) -> int:
+        return self.mode.length(n, world)
+
+    def rank_length(self, n: int, rank: int, world: int) -> int:
+        return self.mode.rank_length(n, rank, world)
+
+    def total(self, n: int, world: int) -> int:
+        return self.mode.total(n, world)
+
+    def real_positions(self, n: int, rank: int, length: int, world: int) -> int:
+        return self.mode.real_positions(n, rank, length, world)
 
     def rank_offsets(self) -> np.ndarray:
         lengths = [self.mode.rank_length(self.n, r, self.world) for r in range(self.world)]
@@ -138,6 +166,8 @@ class PlanSampler(ShareSampler):
     reach persistent workers through a shared tensor.
     """
 
+    rule: OrderRule  # the mode's lengths in the plan's order
+
     def __init__(
         self,
         order: ShardOrder,
@@ -155,7 +185,8 @@ class PlanSampler(ShareSampler):
         )
         self.shard_order, self.batch_size, self.workers = order, batch_size, max(1, workers)
         self.keys = keys  # each sample's __key__, by global index (reports name samples by it)
-        self.rule = OrderRule(self.rule, n, num_replicas, batch_size, self.workers)
+        mode_rule = SAMPLER_MODES[self.mode]  # what ShareSampler set self.rule to
+        self.rule = OrderRule(mode_rule, n, num_replicas, batch_size, self.workers)
         self.permutation = "plan"
         self.shared = torch.zeros(2, dtype=torch.int64).share_memory_()  # epoch, start
 

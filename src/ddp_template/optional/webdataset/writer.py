@@ -26,7 +26,7 @@ import numpy as np
 from ddp_template.data.contract import MapData
 from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError
 
-CONF = Path(__file__).resolve().parents[3] / "conf"
+CONF = Path(__file__).resolve().parents[4] / "conf"
 FORMATS = ("npy", "png")
 
 
