@@ -1,10 +1,10 @@
-"""Train a classifier with DistributedDataParallel, every rank's data accounted for.
+"""Train a model on any task with DistributedDataParallel, every rank's data accounted for.
 
     python train.py                                   # one process
     python train.py dist.nproc=2                      # two ranks, started in-process
     torchrun --standalone --nproc-per-node=2 train.py # two ranks under torchrun
 
-The recipe is the classic one — init the process group, shard the data with a distributed
+The recipe is the classic one — init the process group, deal each rank its share with a distributed
 sampler, wrap the model in DDP, loop over epochs calling ``set_epoch`` — and each step is one
 builder from ``src/ddp_template`` named after the config group it reads. docs/ARCHITECTURE.md
 maps the modules.
@@ -119,7 +119,7 @@ def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Bui
         drop_last=cfg.sampler.drop_last_batch,
         info=info,
     )
-    schedule = kind.steps(cfg, sampler)  # optim.accumulate micro-batches each
+    steps = kind.steps(cfg, sampler)  # optim.accumulate micro-batches each
     task = build_task(cfg.task)  # what is learned: the loss, the evaluation's sums and metrics
     task.setup(splits.info, info.device)
     parallel = build_parallel(cfg.parallel, cfg.ddp, info, amp=str(cfg.amp.mode))
@@ -128,7 +128,7 @@ def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Bui
     if fresh and cfg.finetune.init_from is not None:  # before the layout slices the weights
         report = init_weights(cfg.finetune, model)
         log.info("initialised from %s: %s", cfg.finetune.init_from, describe_load(report))
-    check_batch_statistics(model, lambda: first_input(splits.train), schedule.last_micro_batch)
+    check_batch_statistics(model, lambda: first_input(splits.train), steps.last_micro_batch)
     if cfg.syncbn.enabled and info.distributed:
         model = convert_syncbn(model, info.device)  # before DDP registers the modules
     if cfg.numerics.channels_last:
@@ -144,7 +144,7 @@ def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Bui
     trainer = Trainer(
         model=trained,
         optimizer=optimizer,
-        scheduler=build_scheduler(cfg.optim, optimizer, schedule.total_steps),
+        scheduler=build_scheduler(cfg.optim, optimizer, steps.total_steps),
         scaler=build_scaler(cfg.amp, info.device),
         loader=loader,
         sampler=sampler,
@@ -152,7 +152,7 @@ def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Bui
         amp_mode=amp_mode,
         grad_clip=cfg.optim.grad_clip,
         log_every=cfg.log_every,
-        schedule=schedule,
+        steps=steps,
         keep_indices=sampler.dataset_size <= cfg.share_report_max_n,
         task=task,
         parallel=parallel,
@@ -243,7 +243,7 @@ def rescale_horizon(cfg: Config, built: Built, state: TrainState) -> None:
     tr = built.trainer
     rest = built.kind.steps(cfg, tr.sampler, steps_before=state.steps_before)
     left = rest.steps_per_epoch - rest.steps_done(state.position)
-    later = max(0, cfg.epochs - state.epoch - 1) * tr.schedule.steps_per_epoch
+    later = max(0, cfg.epochs - state.epoch - 1) * tr.steps.steps_per_epoch
     set_horizon(tr.scheduler, state.step + left + later)
 
 
@@ -323,7 +323,7 @@ def set_epoch(cfg: Config, built: Built, state: TrainState) -> None:
     tr, epoch = built.trainer, state.epoch
     tr.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
     # the epoch's steps (after an elastic resume: the rest of it)
-    tr.schedule = built.kind.steps(cfg, tr.sampler, steps_before=state.steps_before)
+    tr.steps = built.kind.steps(cfg, tr.sampler, steps_before=state.steps_before)
     built.splits.set_epoch(epoch)  # augmentation draws from (seed, epoch, index)
     reseed_for_epoch(tr.loader, cfg.seed, tr.info.rank, epoch)
 

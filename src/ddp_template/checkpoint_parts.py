@@ -24,19 +24,19 @@ class Progress:
     position becomes a prefix of the epoch instead: ``load_resized``)."""
 
     state: TrainState
-    trainer: Trainer  # its schedule: the steps the position stands for
+    trainer: Trainer  # its steps: what the position stands for
 
     def state_dict(self) -> dict[str, Any]:
-        s, schedule = self.state, self.trainer.schedule
-        done = schedule.steps_done(s.position)
+        s, steps = self.state, self.trainer.steps
+        done = steps.steps_done(s.position)
         return {
             "epoch": s.epoch,
             "step": s.step,
             "position": s.position,
-            "accumulate": schedule.accumulate,
-            "batch_size": schedule.batch_size,
+            "accumulate": steps.accumulate,
+            "batch_size": steps.batch_size,
             "segment_steps": done,  # steps of the epoch at this world size
-            "complete": done >= schedule.steps_per_epoch,  # its last step has run
+            "complete": done >= steps.steps_per_epoch,  # its last step has run
             "prior": s.prior,
         }
 
@@ -59,7 +59,7 @@ class Progress:
             s.prior = [*saved["prior"], prefix]
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        k, mine = saved["accumulate"], self.trainer.schedule.accumulate
+        k, mine = saved["accumulate"], self.trainer.steps.accumulate
         if k != mine:
             raise Misfit(
                 f"it was written with optim.accumulate={k} but this run has "

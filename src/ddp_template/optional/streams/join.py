@@ -57,8 +57,8 @@ class Joined:
         """Every batch of this rank's stream as ``((x, y, keys, worker), 1.0, True)`` (one a
         step), up to ``max_steps_per_epoch``."""
         self.unread = [(0, []) for _ in range(self.workers)]
-        loader, schedule = tr.loader, tr.schedule
-        it, k, cap = iter(loader), schedule.steps_done(position), schedule.max_steps_per_epoch
+        loader, steps = tr.loader, tr.steps
+        it, k, cap = iter(loader), steps.steps_done(position), steps.max_steps_per_epoch
         while cap is None or k < cap:
             batch = next(it, None)
             if batch is None:
@@ -122,7 +122,7 @@ class StepShadow(Joinable):
         s = self.state
         if self.trainer.spikes is not None:  # the spike rule's all-reduce of the step's loss
             self.trainer.spikes.shadow(s.step + 1, s.epoch)
-        s.position = self.trainer.schedule.next_boundary(s.position)
+        s.position = self.trainer.steps.next_boundary(s.position)
         s.step += 1
         self.stopped |= bool(self.on_step(s))
 

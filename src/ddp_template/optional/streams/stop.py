@@ -63,10 +63,10 @@ class Agreement:
         """The epoch's micro-batches as ``((x, y, keys, worker), weight, last)`` while every
         rank has a whole step of them, up to ``max_steps_per_epoch``."""
         self.unread = [(0, []) for _ in range(self.workers)]
-        loader, schedule = tr.loader, tr.schedule
-        it, k, cap = iter(loader), schedule.steps_done(position), schedule.max_steps_per_epoch
-        step = _take(it, schedule.accumulate)
-        agreed = self._agree(step, schedule.accumulate)
+        loader, steps = tr.loader, tr.steps
+        it, k, cap = iter(loader), steps.steps_done(position), steps.max_steps_per_epoch
+        step = _take(it, steps.accumulate)
+        agreed = self._agree(step, steps.accumulate)
         while cap is None or k < cap:
             if not _wait(agreed):
                 self._leave(step, it)
@@ -74,8 +74,8 @@ class Agreement:
             k += 1
             ahead = None
             if cap is None or k < cap:  # the next step's agreement overlaps this step
-                upcoming = _take(it, schedule.accumulate)
-                ahead = self._agree(upcoming, schedule.accumulate)
+                upcoming = _take(it, steps.accumulate)
+                ahead = self._agree(upcoming, steps.accumulate)
             total = sum(len(b[1]) for b in step)
             for j, ((x, y, _), keys, worker, _names) in enumerate(step):
                 yield (x, y, keys, worker), len(keys) / total, j == len(step) - 1
