@@ -12,8 +12,8 @@ apart: the loss is accumulated as a tensor and read
 just to print. Every batch carries its dataset indices, which feed the rank's IndexTally.
 How the batches come and how the epoch's end is met is ``Trainer.feed``'s (the data kind's):
 a planned epoch's micro-batches (:class:`PlannedFeed`), or a stream's, where every rank stops at
-one step (``streams.stop.Agreement``, uneven=stop) or the loop runs inside torch's ``Join`` and a
-rank whose stream ended shadows the others' steps (``streams.join.Joined``, uneven=join).
+one step (``streams.stop.Agreement``) or the loop runs inside torch's ``Join`` and a rank whose
+stream ended shadows the others' steps (``streams.join.Joined``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,11 @@ from ddp_template.task import Task
 
 class Feed(Protocol):
     """How an epoch's micro-batches come and how its end is met: ``micro_batches`` yields
-    ``(batch, weight, last)`` from ``position``; the epoch's loop runs inside ``tail``."""
+    ``(batch, weight, last)`` from ``position``; the epoch's loop runs inside ``tail``.
+    ``saves_stop_at_end``: a stop's checkpoint is written after the epoch's loop (once the tail
+    has caught every rank up), not by the step hook at the stop's step."""
+
+    saves_stop_at_end: bool
 
     def micro_batches(self, tr: Trainer, position: int) -> Iterator[tuple[tuple, float, bool]]:
         """The epoch's micro-batches from ``position`` (a step boundary)."""
@@ -85,6 +89,8 @@ NO_RULE = NoRule()
 
 class PlannedFeed:
     """A planned epoch's: every rank's micro-batches are dealt by ``Trainer.steps``."""
+
+    saves_stop_at_end = False
 
     def micro_batches(self, tr: Trainer, position: int) -> Iterator[tuple[tuple, float, bool]]:
         return micro_batches(tr.loader, tr.steps, position, tr.info.rank)
@@ -330,7 +336,7 @@ def train_one_epoch(
         return stats
     meter, rule = Meter(tr, stats), tr.rule
     batches = meter.timed(tr.feed.micro_batches(tr, state.position))
-    with tr.feed.tail(tr, state, on_step) as shadow:  # data.uneven=join: Join over DDP, the hook
+    with tr.feed.tail(tr, state, on_step) as shadow:  # a joined stream's: Join over DDP, the hook
         for (x, y, idx, *worker), weight, last in batches:  # a stream's batches name their worker
             x, y = to_device(x, tr.info.device), to_device(y, tr.info.device)
             _settle(tr, x)

@@ -8,8 +8,9 @@ only if all have it, and all stop at the first rank that runs out. The collectiv
 step ahead (asynchronously, on a gloo group of its own) and waited for only when that step
 begins, so its latency hides behind the current step's compute. The ranks that still had data
 read the rest of their stream without training on it, and those samples are counted and named,
-per worker, in the epoch's verdict (``streams.verify``). This is ``uneven=stop``, the
-default; ``uneven=join`` (``streams.join.Joined``) trains every rank on all of its data instead.
+per worker, in the epoch's verdict (``streams.verify``). This is ``data.uneven=stop``,
+the default; ``data.uneven=join`` (``streams.join.Joined``) trains every rank on all of its data
+instead.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,7 @@ class Agreement:
     info: DistInfo
     workers: int = 1
     group: Any = None
+    saves_stop_at_end: ClassVar[bool] = False  # every rank stops at the same step
     unread: list[tuple[int, list[str]]] = field(default_factory=list)  # per worker
 
     def __post_init__(self) -> None:
