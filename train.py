@@ -25,9 +25,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ddp_template import checks, distributed, fault_injection, launch, numerics, run_identity
-from ddp_template.amp import build_scaler, scaler_part
+from ddp_template.amp import build_scaler
 from ddp_template.checkpoint import Checkpointer, Found, resume_rank0
-from ddp_template.checkpoint_parts import Ledger, Progress, SamplerPosition
+from ddp_template.checkpoint_parts import named_parts
 from ddp_template.config import boundary
 from ddp_template.config.schema import Config, register_configs
 from ddp_template.data.contract import Splits, first_input
@@ -37,33 +37,19 @@ from ddp_template.data.transforms import apply_transforms
 from ddp_template.data.workers import reseed_for_epoch
 from ddp_template.elastic import Resize, plan_resize, record_segment
 from ddp_template.ending import Ending
-from ddp_template.engine import (
-    EpochStats,
-    StepHook,
-    Trainer,
-    TrainState,
-    steps_this_epoch,
-    train_one_epoch,
-)
+from ddp_template.engine import EpochStats, StepHook, Trainer, TrainState, train_one_epoch
 from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError, unanimous
 from ddp_template.evaluation import Evaluation, build_evaluation
 from ddp_template.finetune import init_weights
 from ddp_template.kind import DataKind, kind_of
 from ddp_template.ledger.verify import continuity, epoch_metrics
-from ddp_template.models import (
-    build_model,
-    check_batch_statistics,
-    convert_syncbn,
-    describe_load,
-    weights_part,
-)
+from ddp_template.models import build_model, check_batch_statistics, convert_syncbn, describe_load
 from ddp_template.optim import build_optimizer, build_scheduler, set_horizon
 from ddp_template.parallel import build_parallel, compile_model
 from ddp_template.preemption import Preemption
 from ddp_template.process import exit_records, quick_exit
 from ddp_template.profiling import StepProfiler
 from ddp_template.provenance import Chain, build_chain
-from ddp_template.rng import RngState
 from ddp_template.selection import Selection, build_selection
 from ddp_template.sinks.console import say_refusal, setup_console
 from ddp_template.sinks.metrics import RankLogger, log
@@ -188,41 +174,21 @@ class Session:
     picture: Any = None  # the shares picture's drawing thread (rank 0, where drawn)
     result: EvalResult | None = None
 
-    def fit(self) -> EvalResult:
+    def fit(self) -> None:
         self.result = fit(self)
-        return self.result
 
     def held(self) -> Segment:
         return Segment(self.ckpt, self.state, self.built.trainer)
 
 
 def checkpointer(s: Session) -> Checkpointer:
-    """The checkpoint's named parts: restored in this order, each refusing its own misfit;
-    the chain sealed over them."""
+    """The checkpoint's named parts (``named_parts``: restored in their order, each refusing
+    its own misfit), the chain sealed over them."""
     tr = s.built.trainer
-    weights = {
-        "model": weights_part(tr.module),
-        "optimizer": tr.parallel.optimizer_part(tr.module, tr.optimizer),
-        **s.built.switches,
-    }
-    parts = {
-        "progress": Progress(state=s.state, trainer=tr),
-        **({} if tr.parallel.sliced else weights),
-        "scheduler": tr.scheduler,
-        "scaler": scaler_part(tr.scaler),
-        "selection": s.built.selection,
-    }
     return Checkpointer(
+        **named_parts(tr, s.state, s.built.switches, s.built.selection)._asdict(),
         directory=s.run.run_dir / "checkpoints",
         cfg=s.cfg.checkpoint,
-        parts=parts,
-        sliced=weights if tr.parallel.sliced else {},  # each rank's slices, through DCP
-        rank_parts={
-            "sampler": SamplerPosition(sampler=tr.sampler, state=s.state),
-            "rng": RngState(),
-            "ledger": Ledger(state=s.state),
-            **({"spike": tr.spikes} if tr.spikes is not None else {}),
-        },
         config_yaml=OmegaConf.to_yaml(s.plain),
         info=tr.info,
         seal=s.chain.seal,
@@ -234,19 +200,18 @@ def resume(s: Session) -> str | None:
     file), at its world size or, re-dealt, at this one, once its chain proves it continues
     this run; else a fresh run, maybe from another run's weights (finetune.init_from).
     Returns the resume's line (which run and link, what was skipped or repeated)."""
-    found, state = s.found, s.state
+    found, state, tr = s.found, s.state, s.built.trainer
     if not found:  # a fresh run (build took finetune.init_from's weights)
         return None
     with unanimous():  # every rank decides alike from the one checkpoint
-        link = s.chain.check(found.path, found.payload, s.built.trainer.info.world_size)
+        link = s.chain.check(found.path, found.payload, tr.info.world_size)
         s.ckpt.restore(found, resized=s.resize is not None)  # after the chain, not before
     log.info("resumed from %s at epoch %d, step %d", found.path, state.epoch, state.step)
-    tr = s.built.trainer
     if s.resize is not None:
         log.info("%s", s.resize.describe())
     if s.resize is not None and s.resize.global_batch == "scale":  # the LR schedule: the rest
         rest = s.built.kind.steps(s.cfg, tr.sampler, steps_before=state.steps_before)
-        left = rest.steps_per_epoch - rest.steps_done(state.position)
+        left = rest.steps_left(state.position)
         later = max(0, s.cfg.epochs - state.epoch - 1) * tr.steps.steps_per_epoch
         set_horizon(tr.scheduler, state.step + left + later)
     skipped, repeated = continuity(tr.sampler, state, tr.info)  # else a refusal
@@ -268,7 +233,7 @@ def fit(s: Session) -> EvalResult:
                 break
             state.epoch, start = epoch, state.position
             set_epoch(s)
-            logger.start_epoch(epoch, steps_this_epoch(tr, state))
+            logger.start_epoch(epoch, tr.steps.steps_left(state.position))
             stats = train_one_epoch(tr, state, on_step, logger.log_interval)
             if stats.stopped and tr.feed.saves_stop_at_end:  # once Join caught every rank up
                 ckpt.save()
@@ -292,8 +257,7 @@ def fit(s: Session) -> EvalResult:
 def set_epoch(s: Session) -> None:
     tr, epoch = s.built.trainer, s.state.epoch
     tr.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-    # the epoch's steps (after an elastic resume: the rest of it)
-    tr.steps = s.built.kind.steps(s.cfg, tr.sampler, steps_before=s.state.steps_before)
+    tr.steps = s.built.kind.steps(s.cfg, tr.sampler, steps_before=s.state.steps_before)  # rest
     s.built.splits.set_epoch(epoch)  # augmentation draws from (seed, epoch, index)
     reseed_for_epoch(tr.loader, s.cfg.seed, tr.info.rank, epoch)
 
@@ -309,8 +273,7 @@ def account(s: Session, stats: EpochStats, start: int) -> None:
     report = s.built.kind.verify(stats, tr, state, start, metrics)  # a collective
     if report is not None:
         if tr.spikes is not None:  # samples whose update the spike rule skipped, by name
-            notes = tr.spikes.notes(state.epoch)
-            report = replace(report, verdict=report.verdict.noted(notes))
+            report = replace(report, verdict=report.verdict.noted(tr.spikes.notes(state.epoch)))
         logger.log_share_report(report, state.epoch, state.step)
 
 
@@ -319,8 +282,7 @@ def step_hook(s: Session, preempt: Preemption, profiler: StepProfiler) -> StepHo
     replacement's admission (fault_tolerance=live), preemption, checkpoints."""
     cfg, tr, ckpt, logger = s.cfg, s.built.trainer, s.ckpt, s.logger
     switches, rank, spikes = list(s.built.switches.values()), tr.info.rank, tr.spikes
-    # A joined rank (a stream under torch's Join) runs this hook for each step it shadows, its
-    # optimizer state stale until Join's end, so a stop's checkpoint waits for fit.
+    # A feed that shadows steps (a stream under torch's Join): the stop's checkpoint in fit.
     save_on_stop = not tr.feed.saves_stop_at_end
 
     def after_step(state: TrainState) -> bool:
@@ -376,9 +338,8 @@ def membership(
         plain = boundary.plain(now) | ({"resize": resize.record()} if resize else {})
         if ending.logger is None:
             ending.logger = RankLogger(cfg=now.logger, run=run, info=info, config=plain)  # W&B
-        else:
-            ending.logger.regroup(info)
         ending.info = info
+        ending.logger.regroup(info)  # this process's place among the (regrouped) ranks
         built = build(now, info, fresh=found is None)
         s = Session(now, run, plain, ending.logger, tolerance, built, found, resize)
         s.chain = build_chain(now, plain=plain, run=run.run_id, data=built.data)
@@ -396,9 +357,8 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
     numerics.apply(cfg.numerics)  # before this rank's first CUDA work
     tolerance = build_tolerance(cfg.fault_tolerance, cfg.backend)  # off: the restart path
     info, found = tolerance.setup()  # live: a replacement joins with the state handed over
-    with Ending(
-        run.run_dir, info
-    ) as ending:  # the exit code, the logs flushed, the group torn down
+    # The exit code, and on every path: the logs flushed, the exit recorded, the group torn down
+    with Ending(run.run_dir, info) as ending:
         exit_records.record_start(run.run_dir, info.rank)  # for a peer that outlives this rank
         setup_console(info, run.run_dir)
         log.info("%s", info.describe())
@@ -406,8 +366,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         regroup = found is not None  # handed over: continued like a checkpoint of the old group
         if not regroup:
             found = resume_rank0(cfg.resume, run.run_dir / "checkpoints", info)
-        begun = membership(cfg, run, tolerance, ending)
-        s = tolerance.run(begun, info, found, regroup)  # live: once per membership
+        s = tolerance.run(membership(cfg, run, tolerance, ending), info, found, regroup)
         s.logger.finish_run(s.result, s.built.splits, s.state.step, s.picture)
         name, _ = objective(s.built.trainer.task, s.cfg.selection.monitor, s.cfg.selection.mode)
         return s.built.evaluation.latest().values[name]

@@ -1,5 +1,6 @@
 """Where training stands, as checkpoint parts: the run's epoch, step and position, this
-rank's sampler at that position, and this rank's ledger of the epoch so far.
+rank's sampler at that position, and this rank's ledger of the epoch so far; ``named_parts``,
+every part of a run's checkpoint by name.
 
 At another world size (elastic resume) each part is re-dealt by ``load_resized``: the
 progress part turns the old ranks' position into a prefix of the epoch (``state.prior``), the
@@ -8,13 +9,16 @@ sampler deals the rest of the epoch, and the old ranks' ledgers travel with that
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+from ddp_template.amp import scaler_part
 from ddp_template.data.sampler_state import check_order
 from ddp_template.engine import Trainer, TrainState
 from ddp_template.errors import Misfit
 from ddp_template.ledger.records import PriorSegment, SavedLedger, Tallied
 from ddp_template.ledger.tally import join_ledgers
+from ddp_template.models import weights_part
+from ddp_template.rng import RngState
 
 
 @dataclass(kw_only=True)
@@ -141,3 +145,37 @@ class Ledger:
 
     def start_fresh(self) -> str:
         return "no ledger saved: a resumed epoch's data/epoch_* keys count from the resume"
+
+
+class Parts(NamedTuple):
+    """A checkpoint's parts by name (``checkpoint.Checkpointer``'s), each restored in its
+    order and refusing its own misfit."""
+
+    parts: dict[str, Any]  # whole, in rank 0's file
+    sliced: dict[str, Any]  # each rank's slices, through DCP (a sliced layout's weights)
+    rank_parts: dict[str, Any]  # each rank's own
+
+
+def named_parts(tr: Trainer, state: TrainState, switches: dict[str, Any], selection: Any) -> Parts:
+    """Where training stands, the weights (whole, or each rank's slices), the optimizer, the
+    switches (the EMA), the LR schedule, the scaler, the selection; per rank its sampler, RNG,
+    ledger and spike rule."""
+    weights = {
+        "model": weights_part(tr.module),
+        "optimizer": tr.parallel.optimizer_part(tr.module, tr.optimizer),
+        **switches,
+    }
+    parts = {
+        "progress": Progress(state=state, trainer=tr),
+        **({} if tr.parallel.sliced else weights),
+        "scheduler": tr.scheduler,
+        "scaler": scaler_part(tr.scaler),
+        "selection": selection,
+    }
+    rank_parts = {
+        "sampler": SamplerPosition(sampler=tr.sampler, state=state),
+        "rng": RngState(),
+        "ledger": Ledger(state=state),
+        **({"spike": tr.spikes} if tr.spikes is not None else {}),
+    }
+    return Parts(parts, weights if tr.parallel.sliced else {}, rank_parts)

@@ -259,11 +259,6 @@ def micro_batches(loader: Any, steps: EpochSteps, position: int, rank: int = 0) 
             yield batch, steps.weight(len(batch[2]), k), j == n - 1
 
 
-def steps_this_epoch(tr: Trainer, state: TrainState) -> int:
-    """Optimizer steps the coming epoch will run from ``state.position`` (after any cap)."""
-    return tr.steps.steps_per_epoch - tr.steps.steps_done(state.position)
-
-
 def new_tally(tr: Trainer, position: int) -> IndexTally:
     """This epoch's tally; per loader worker where the sampler deals them ranges
     (``worker_lanes``)."""
@@ -332,7 +327,7 @@ def train_one_epoch(
     tr.model.train()
     stats = EpochStats(new_tally(tr, state.position))
     state.tally = stats.tally
-    if steps_this_epoch(tr, state) == 0:
+    if tr.steps.steps_left(state.position) == 0:
         return stats
     meter, rule = Meter(tr, stats), tr.rule
     batches = meter.timed(tr.feed.micro_batches(tr, state.position))
