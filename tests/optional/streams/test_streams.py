@@ -240,7 +240,8 @@ def conf(tmp_path_factory) -> Path:
 
 
 def launch(conf: Path, out: Path, *overrides: str, world: int = W, check: bool = True):
-    paths = [str(ROOT / "tests" / "optional" / "streams"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    here = str(ROOT / "tests" / "optional" / "streams")
+    paths = [here, *filter(None, [os.environ.get("PYTHONPATH")])]
     env = run_env(PYTHONPATH=os.pathsep.join(paths))
     cmd = train_cmd(
         out,
