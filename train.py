@@ -1,10 +1,10 @@
-"""Train a classifier with DistributedDataParallel, every rank's data accounted for.
+"""Train a model on any task with DistributedDataParallel, every rank's data accounted for.
 
     python train.py                                   # one process
     python train.py dist.nproc=2                      # two ranks, started in-process
     torchrun --standalone --nproc-per-node=2 train.py # two ranks under torchrun
 
-The recipe is the classic one — init the process group, deal the data with a distributed
+The recipe is the classic one — init the process group, deal each rank its share with a distributed
 sampler, wrap the model in DDP, loop over epochs calling ``set_epoch`` — and each step is one
 builder from ``src/ddp_template`` named after the config group it reads. docs/ARCHITECTURE.md
 maps the modules.
@@ -17,8 +17,7 @@ import gc
 gc.disable()  # no GC passes over the millions of objects torch's import allocates
 
 import sys
-from dataclasses import replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, cast
 
 import hydra
@@ -26,9 +25,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ddp_template import checks, distributed, fault_injection, launch, numerics, run_identity
-from ddp_template.amp import build_scaler, scaler_part
+from ddp_template.amp import build_scaler
 from ddp_template.checkpoint import Checkpointer, Found, resume_rank0
-from ddp_template.checkpoint_parts import Ledger, Progress, SamplerPosition
+from ddp_template.checkpoint_parts import named_parts
 from ddp_template.config import boundary
 from ddp_template.config.schema import Config, register_configs
 from ddp_template.data.contract import MapData, Splits, first_input
@@ -37,40 +36,20 @@ from ddp_template.data.loader import build_eval_loader
 from ddp_template.data.transforms import apply_transforms
 from ddp_template.data.workers import reseed_for_epoch
 from ddp_template.elastic import Resize, plan_resize, record_stretch
-from ddp_template.engine import (
-    EpochStats,
-    StepHook,
-    Trainer,
-    TrainState,
-    steps_this_epoch,
-    train_one_epoch,
-)
-from ddp_template.errors import (
-    EXIT_CONFIG_ERROR,
-    EXIT_INTERRUPTED,
-    EXIT_PREEMPTED,
-    ConfigError,
-    Unanimous,
-    unanimous,
-)
+from ddp_template.ending import Ending
+from ddp_template.engine import EpochStats, StepHook, Trainer, TrainState, train_one_epoch
+from ddp_template.errors import EXIT_CONFIG_ERROR, ConfigError, unanimous
 from ddp_template.evaluation import Evaluation, build_evaluation
 from ddp_template.finetune import init_weights
 from ddp_template.kind import DataKind, kind_of
-from ddp_template.ledger.verify import epoch_metrics, resumed_prefix
-from ddp_template.models import (
-    build_model,
-    check_batch_statistics,
-    convert_syncbn,
-    describe_load,
-    weights_part,
-)
+from ddp_template.ledger.verify import continuity, epoch_metrics
+from ddp_template.models import build_model, check_batch_statistics, convert_syncbn, describe_load
 from ddp_template.optim import build_optimizer, build_scheduler, set_horizon
 from ddp_template.parallel import build_parallel, compile_model
 from ddp_template.preemption import Preemption
 from ddp_template.process import exit_records, quick_exit
 from ddp_template.profiling import StepProfiler
-from ddp_template.provenance import Chain, Link, build_chain
-from ddp_template.rng import RngState
+from ddp_template.provenance import Chain, build_chain
 from ddp_template.selection import Selection, build_selection
 from ddp_template.sinks.console import say_refusal, setup_console
 from ddp_template.sinks.metrics import RankLogger, log
@@ -79,7 +58,7 @@ from ddp_template.spike import build_spikes
 from ddp_template.splits import build_splits
 from ddp_template.switches import Switch, build_switches
 from ddp_template.task import EvalResult, build_task, objective, register_sweep_direction
-from ddp_template.tolerance import Held, Tolerance, build_tolerance
+from ddp_template.tolerance import Begin, Held, Tolerance, build_tolerance
 
 gc.freeze()  # what was imported lives as long as the process: out of every later pass
 gc.enable()
@@ -106,7 +85,7 @@ def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Bui
     spike rule) → evaluation."""
     splits = build_splits(cfg.data)
     kind = kind_of(splits)  # map-style, or the kind its factory chose (tar shards, a stream)
-    kind.check(cfg, splits)  # the run's options this kind cannot honour
+    kind.check(cfg, splits)  # the run's options this kind cannot honour (after a resize too)
     # The data's identity (provenance), before augmentation wraps it: rank 0's, read once.
     data = distributed.broadcast_object(identify(splits) if info.is_main else None, info)
     splits = apply_transforms(splits, cfg.transforms, cfg.seed)
@@ -119,7 +98,7 @@ def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Bui
         drop_last=cfg.sampler.drop_last_batch,
         info=info,
     )
-    schedule = kind.steps(cfg, sampler)  # optim.accumulate micro-batches each
+    steps = kind.steps(cfg, sampler)  # optim.accumulate micro-batches each
     task = build_task(cfg.task)  # what is learned: the loss, the evaluation's sums and metrics
     task.setup(splits.info, info.device)
     parallel = build_parallel(cfg.parallel, cfg.ddp, info, amp=str(cfg.amp.mode))
@@ -128,7 +107,7 @@ def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Bui
     if fresh and cfg.finetune.init_from is not None:  # before the layout slices the weights
         report = init_weights(cfg.finetune, model)
         log.info("initialised from %s: %s", cfg.finetune.init_from, describe_load(report))
-    check_batch_statistics(model, lambda: first_input(splits.train), schedule.last_micro_batch)
+    check_batch_statistics(model, lambda: first_input(splits.train), steps.last_micro_batch)
     if cfg.syncbn.enabled and info.distributed:
         model = convert_syncbn(model, info.device)  # before DDP registers the modules
     if cfg.numerics.channels_last:
@@ -144,7 +123,7 @@ def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Bui
     trainer = Trainer(
         model=trained,
         optimizer=optimizer,
-        scheduler=build_scheduler(cfg.optim, optimizer, schedule.total_steps),
+        scheduler=build_scheduler(cfg.optim, optimizer, steps.total_steps),
         scaler=build_scaler(cfg.amp, info.device),
         loader=loader,
         sampler=sampler,
@@ -152,7 +131,7 @@ def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Bui
         amp_mode=amp_mode,
         grad_clip=cfg.optim.grad_clip,
         log_every=cfg.log_every,
-        schedule=schedule,
+        steps=steps,
         keep_indices=sampler.dataset_size <= cfg.share_report_max_n,
         task=task,
         parallel=parallel,
@@ -176,240 +155,200 @@ def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Bui
     return Built(kind, data, trainer, splits, evaluation, selection, switches)
 
 
-def checkpointer(
-    cfg: Config, built: Built, state: TrainState, chain: Chain, run_dir: Path, yaml: str
-) -> Checkpointer:
-    """The checkpoint's named parts: restored in this order, each refusing its own misfit;
-    the chain sealed over them."""
-    tr = built.trainer
-    weights = {
-        "model": weights_part(tr.module),
-        "optimizer": tr.parallel.optimizer_part(tr.module, tr.optimizer),
-        **built.switches,
-    }
-    parts = {
-        "progress": Progress(state=state, trainer=tr),
-        **({} if tr.parallel.sliced else weights),
-        "scheduler": tr.scheduler,
-        "scaler": scaler_part(tr.scaler),
-        "selection": built.selection,
-    }
+@dataclass
+class Session:
+    """One membership's run (the whole run, but under fault_tolerance=live): what resume,
+    begin, fit and the step hook share."""
+
+    cfg: Config  # the config in force: after a resize, its batch and accumulation from here on
+    run: run_identity.RunInfo
+    plain: dict[str, Any]  # the config as the logs, the chain and the checkpoints record it
+    logger: RankLogger
+    tolerance: Tolerance
+    built: Built
+    found: Found | None  # the checkpoint (or the state handed over) it continues
+    resize: Resize | None
+    state: TrainState = field(default_factory=TrainState)
+    chain: Chain = field(init=False)
+    ckpt: Checkpointer = field(init=False)
+    picture: Any = None  # the shares picture's drawing thread (rank 0, where drawn)
+    result: EvalResult | None = None
+
+    def fit(self) -> None:
+        self.result = fit(self)
+
+    def held(self) -> Held:
+        return Held(self.ckpt, self.state, self.built.trainer)
+
+
+def checkpointer(s: Session) -> Checkpointer:
+    """The checkpoint's named parts (``named_parts``: restored in their order, each refusing
+    its own misfit), the chain sealed over them."""
+    tr = s.built.trainer
     return Checkpointer(
-        directory=run_dir / "checkpoints",
-        cfg=cfg.checkpoint,
-        parts=parts,
-        sliced=weights if tr.parallel.sliced else {},  # each rank's slices, through DCP
-        rank_parts={
-            "sampler": SamplerPosition(sampler=tr.sampler, state=state),
-            "rng": RngState(),
-            "ledger": Ledger(state=state),
-            **({"spike": tr.spikes} if tr.spikes is not None else {}),
-        },
-        config_yaml=yaml,
+        **named_parts(tr, s.state, s.built.switches, s.built.selection)._asdict(),
+        directory=s.run.run_dir / "checkpoints",
+        cfg=s.cfg.checkpoint,
+        config_yaml=OmegaConf.to_yaml(s.plain),
         info=tr.info,
-        seal=chain.seal,
+        seal=s.chain.seal,
     )
 
 
-def resume(
-    cfg: Config,
-    built: Built,
-    ckpt: Checkpointer,
-    chain: Chain,
-    state: TrainState,
-    found: Found | None,
-    resize: Resize | None,
-) -> str | None:
+def resume(s: Session) -> str | None:
     """Continue from the checkpoint found (resume=auto: the newest valid one; or a given
     file), at its world size or, re-dealt, at this one, once its chain proves it continues
     this run; else a fresh run, maybe from another run's weights (finetune.init_from).
     Returns the resume's line (which run and link, what was skipped or repeated)."""
-    tr, info = built.trainer, built.trainer.info
+    found, state, tr = s.found, s.state, s.built.trainer
     if not found:  # a fresh run (build took finetune.init_from's weights)
         return None
     with unanimous():  # every rank decides alike from the one checkpoint
-        link = chain.check(found.path, found.payload, info.world_size)  # before any part moves
-        ckpt.restore(found, resized=resize is not None)
+        link = s.chain.check(found.path, found.payload, tr.info.world_size)
+        s.ckpt.restore(found, resized=s.resize is not None)  # after the chain, not before
     log.info("resumed from %s at epoch %d, step %d", found.path, state.epoch, state.step)
-    if resize is not None:
-        log.info("%s", resize.describe())
-        if resize.global_batch == "scale":
-            rescale_horizon(cfg, built, state)
-    return continuity(chain, link, tr, state)
+    if s.resize is not None:
+        log.info("%s", s.resize.describe())
+    if s.resize is not None and s.resize.global_batch == "scale":  # the LR schedule: the rest
+        rest = s.built.kind.steps(s.cfg, tr.sampler, steps_before=state.steps_before)
+        left = rest.steps_left(state.position)
+        later = max(0, s.cfg.epochs - state.epoch - 1) * tr.steps.steps_per_epoch
+        set_horizon(tr.scheduler, state.step + left + later)
+    skipped, repeated = continuity(tr.sampler, state, tr.info)  # else a refusal
+    return s.chain.describe(link, state.step, skipped, repeated)
 
 
-def rescale_horizon(cfg: Config, built: Built, state: TrainState) -> None:
-    """The LR schedule over the steps left at this world size (elastic.global_batch=scale)."""
-    tr = built.trainer
-    rest = built.kind.steps(cfg, tr.sampler, steps_before=state.steps_before)
-    left = rest.steps_per_epoch - rest.steps_done(state.position)
-    assert tr.schedule is not None  # build's
-    later = max(0, cfg.epochs - state.epoch - 1) * tr.schedule.steps_per_epoch
-    set_horizon(tr.scheduler, state.step + left + later)
-
-
-def continuity(chain: Chain, link: Link | None, tr: Trainer, state: TrainState) -> str:
-    """The epoch read before the resume against what the restored sampler puts there, on every
-    rank (a collective): the samples skipped and repeated, or a refusal."""
-    # A stream resumes only at an epoch's end (position 0, no prefix): nothing to prove.
-    mine = resumed_prefix(tr.sampler, state.position, state.carried, state.prior, rank=tr.info.rank)
-    rows = distributed.gather_objects(mine, tr.info)
-    wrong = [w for _, _, ws in rows for w in ws]
-    if wrong:  # every rank holds the same rows: a refusal they all meet
-        raise Unanimous(
-            f"resume at step {state.step}: {wrong[0]}, so it would skip and repeat samples; "
-            f"resume with the template version and config that wrote the checkpoint, or start "
-            f"fresh with resume=never."
-        )
-    skipped, repeated = sum(r[0] for r in rows), sum(r[1] for r in rows)
-    return chain.describe(link, state.step, skipped, repeated)
-
-
-def fit(
-    cfg: Config,
-    built: Built,
-    state: TrainState,
-    ckpt: Checkpointer,
-    logger: RankLogger,
-    tolerance: Tolerance,
-) -> EvalResult:
+def fit(s: Session) -> EvalResult:
     """The epoch loop: set_epoch → train → account for the data → evaluate → select →
     checkpoint → log → stop?"""
-    tr, info, selection = built.trainer, built.trainer.info, built.selection
-    every = cfg.checkpoint.preempt_check_every
-    preempt = Preemption(info=info, every=every, run_id=logger.run.run_id)
-    profiler = StepProfiler(cfg=cfg.profiler, run_dir=logger.run.run_dir, info=info)
-    on_step = step_hook(cfg, built, ckpt, logger, preempt, profiler, tolerance)
-    broken = False
-    try:
+    cfg, tr, state, ckpt, logger = s.cfg, s.built.trainer, s.state, s.ckpt, s.logger
+    preempt = Preemption(
+        info=tr.info, every=cfg.checkpoint.preempt_check_every, run_id=s.run.run_id
+    )
+    profiler = StepProfiler(cfg=cfg.profiler, run_dir=s.run.run_dir, info=tr.info)
+    on_step = step_hook(s, preempt, profiler)
+    with preempt, profiler:  # closed on every path (a failed collective's agreement: unread)
         for epoch in range(state.epoch, cfg.epochs):
-            if selection.stops_before(epoch):
+            if s.built.selection.stops_before(epoch):
                 break
             state.epoch, start = epoch, state.position
-            set_epoch(cfg, built, state)
-            logger.start_epoch(epoch, steps_this_epoch(tr, state))
+            set_epoch(s)
+            logger.start_epoch(epoch, tr.steps.steps_left(state.position))
             stats = train_one_epoch(tr, state, on_step, logger.log_interval)
-            if stats.stopped and cfg.uneven == "join":  # saved once Join caught every rank up
+            if stats.stopped and tr.feed.saves_stop_at_end:  # once Join caught every rank up
                 ckpt.save()
             logger.end_epoch()
-            account(built, stats, state, start, logger)
+            account(s, stats, start)
             if stats.stopped:
                 preempt.stop(state.step, ckpt.last)  # checkpointed: a requeue continues
-            fault_injection.maybe_fire(cfg.fault, state.step, info.rank, "evaluation")
-            metrics = built.evaluation.epoch(epoch, state.step, logger)
+            fault_injection.maybe_fire(cfg.fault, state.step, tr.info.rank, "evaluation")
+            metrics = s.built.evaluation.epoch(epoch, state.step, logger)
             state.epoch, state.position, state.prior = epoch + 1, 0, []
-            copies = selection.copies(selection.observe(metrics, epoch))
+            copies = s.built.selection.copies(s.built.selection.observe(metrics, epoch))
             saved = ckpt.save(epochs_done=state.epoch, copies=copies)
+            at: dict[str, Any] = {"step": state.step, "epoch": epoch, "metrics": metrics}
             for kind, path in {"last": saved.last, **saved.copies}.items():
-                logger.log_checkpoint(
-                    path,
-                    kind=kind,
-                    step=state.step,
-                    epoch=epoch,
-                    metrics=metrics,
-                    slices=saved.slices,
-                )
+                logger.log_checkpoint(path, kind=kind, slices=saved.slices, **at)
             if epoch + 1 < cfg.epochs and preempt.sync():  # a signal late in the epoch
                 preempt.stop(state.step, ckpt.last)
-    except Exception:
-        broken = True  # a failed collective: the agreement in flight is not waited for
-        raise
-    finally:
-        profiler.close()
-        preempt.close(broken=broken)
-    return built.evaluation.at_end(state.epoch, state.step, logger)
+    return s.built.evaluation.at_end(state.epoch, state.step, logger)
 
 
-def set_epoch(cfg: Config, built: Built, state: TrainState) -> None:
-    tr, epoch = built.trainer, state.epoch
+def set_epoch(s: Session) -> None:
+    tr, epoch = s.built.trainer, s.state.epoch
     tr.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-    # the epoch's steps (after an elastic resume: the rest of it)
-    tr.schedule = built.kind.steps(cfg, tr.sampler, steps_before=state.steps_before)
-    built.splits.set_epoch(epoch)  # augmentation draws from (seed, epoch, index)
-    reseed_for_epoch(tr.loader, cfg.seed, tr.info.rank, epoch)
+    tr.steps = s.built.kind.steps(s.cfg, tr.sampler, steps_before=s.state.steps_before)  # rest
+    s.built.splits.set_epoch(epoch)  # augmentation draws from (seed, epoch, index)
+    reseed_for_epoch(tr.loader, s.cfg.seed, tr.info.rank, epoch)
 
 
-def account(
-    built: Built, stats: EpochStats, state: TrainState, start: int, logger: RankLogger
-) -> None:
+def account(s: Session, stats: EpochStats, start: int) -> None:
     """Log this rank's epoch (joined with the part read before a resume) and check every
     rank's data: against the sampler mode, or a stream's by its keys."""
-    tr, epoch, step = built.trainer, state.epoch, state.step
-    metrics = epoch_metrics(stats, tr.sampler, start, epoch, carried=state.carried)
-    logger.log_epoch(metrics, step)  # a collective with one W&B run
+    tr, state, logger = s.built.trainer, s.state, s.logger
+    metrics = epoch_metrics(stats, tr.sampler, start, state.epoch, carried=state.carried)
+    logger.log_epoch(metrics, state.step)  # a collective with one W&B run
     if tr.spikes is not None:
-        logger.log_spikes(step)  # the epoch's spikes to one W&B run: a collective there
-    report = built.kind.verify(stats, tr, state, start, metrics)  # a collective
+        logger.log_spikes(state.step)  # the epoch's spikes to one W&B run: a collective there
+    report = s.built.kind.verify(stats, tr, state, start, metrics)  # a collective
     if report is not None:
         if tr.spikes is not None:  # samples whose update the spike rule skipped, by name
-            report = replace(report, verdict=report.verdict.noted(tr.spikes.notes(epoch)))
-        logger.log_share_report(report, epoch, step)
+            report = replace(report, verdict=report.verdict.noted(tr.spikes.notes(state.epoch)))
+        logger.log_share_report(report, state.epoch, state.step)
 
 
-def step_hook(
-    cfg: Config,
-    built: Built,
-    ckpt: Checkpointer,
-    logger: RankLogger,
-    preempt: Preemption,
-    profiler: StepProfiler,
-    tolerance: Tolerance,
-) -> StepHook:
+def step_hook(s: Session, preempt: Preemption, profiler: StepProfiler) -> StepHook:
     """After every optimizer step: the switches, the logs (a spike's report), faults, a
     replacement's admission (fault_tolerance=live), preemption, checkpoints."""
-    switches, tr = list(built.switches.values()), built.trainer
-    rank, spikes = tr.info.rank, tr.spikes
-    # uneven=join: a rank that joined runs this hook for each step it shadows, its optimizer
-    # state stale until Join's end, so a stop's checkpoint waits for fit (after Join).
-    save_on_stop = cfg.uneven != "join"
+    cfg, tr, ckpt, logger = s.cfg, s.built.trainer, s.ckpt, s.logger
+    switches, rank, spikes = list(s.built.switches.values()), tr.info.rank, tr.spikes
+    # A feed that shadows steps (a stream under torch's Join): the stop's checkpoint in fit.
+    save_on_stop = not tr.feed.saves_stop_at_end
 
-    def after_step(s: TrainState) -> bool:
+    def after_step(state: TrainState) -> bool:
         for switch in switches:
-            switch.after_step(s)
+            switch.after_step(state)
         for report in spikes.take() if spikes is not None else ():
-            logger.log_spike(report, s.step, cfg.spike.top)
+            logger.log_spike(report, state.step, cfg.spike.top)
         logger.step()
         profiler.step()
-        fault_injection.maybe_fire(cfg.fault, s.step, rank)
-        tolerance.boundary(s.step)
-        stop = preempt.requested(s.step)  # a signal on any rank stops all at one step
-        if (stop and save_on_stop) or ckpt.due(s.step):
-            fault_injection.maybe_fire(cfg.fault, s.step, rank, "checkpoint")
+        fault_injection.maybe_fire(cfg.fault, state.step, rank)
+        s.tolerance.boundary(state.step)
+        stop = preempt.requested(state.step)  # a signal on any rank stops all at one step
+        if (stop and save_on_stop) or ckpt.due(state.step):
+            fault_injection.maybe_fire(cfg.fault, state.step, rank, "checkpoint")
             ckpt.save()
         return stop
 
     return after_step
 
 
-def begin(
-    cfg: Config,
-    run: run_identity.RunInfo,
-    built: Built,
-    ckpt: Checkpointer,
-    chain: Chain,
-    state: TrainState,
-    found: Found | None,
-    resize: Resize | None,
-    logger: RankLogger,
-) -> Any:
-    """Resume (or start fresh), record the stretch, and say what the run is about to do;
-    returns the shares picture's drawing thread (rank 0, where drawn)."""
-    info = built.trainer.info
-    line = resume(cfg, built, ckpt, chain, state, found, resize)
+def begin(s: Session) -> None:
+    """Resume (or start fresh), record the stretch, and say what the run is about to do; rank
+    0 starts drawing the shares picture."""
+    cfg, info, state, logger = s.cfg, s.built.trainer.info, s.state, s.logger
+    line = resume(s)
     if info.is_main:
-        record_stretch(run.run_dir, cfg=cfg, state=state, world_size=info.world_size)
+        record_stretch(s.run.run_dir, cfg=cfg, state=state, world_size=info.world_size)
     logger.ready()  # every rank's W&B run exists before anyone logs
     if line:
         logger.log_resume(line, state.step)
-    if resize:
-        logger.log({f"elastic/{k}": v for k, v in resize.record().items()}, state.step)
-    logger.log_sizes(built.splits, state.step)
+    if s.resize:
+        logger.log({f"elastic/{k}": v for k, v in s.resize.record().items()}, state.step)
+    logger.log_sizes(s.built.splits, state.step)
     global_batch = cfg.loader.batch_size * info.world_size * cfg.optim.accumulate
     if info.is_main:
         log.info("effective global batch %d (batch_size x world size x accumulate)", global_batch)
         logger.log({"train/global_batch": global_batch}, state.step)
-    draws = cfg.share_picture and info.is_main and built.kind.pictured
-    return draw_shares_async(built.trainer.sampler, run.run_dir) if draws else None
+    if cfg.share_picture and info.is_main and s.built.kind.pictured:
+        s.picture = draw_shares_async(s.built.trainer.sampler, s.run.run_dir)
+
+
+def membership(
+    cfg: Config, run: run_identity.RunInfo, tolerance: Tolerance, ending: Ending
+) -> Begin[Session]:
+    """What begins each membership from the state it continues (a checkpoint, or the state
+    the survivors handed over): plan the resize → build → checkpointer → resume → begin."""
+
+    def begun(info: distributed.DistInfo, found: Found | None, regroup: bool) -> Session:
+        setup_console(info, run.run_dir)  # a regroup may have moved rank 0's duties
+        with unanimous():  # every rank decides alike from the one checkpoint
+            resize = plan_resize(cfg.elastic, found=found, run=cfg, info=info, regroup=regroup)
+        now = resize.adjust(cfg) if resize else cfg  # its batch and accumulation from here on
+        plain = boundary.plain(now) | ({"resize": resize.record()} if resize else {})
+        if ending.logger is None:
+            ending.logger = RankLogger(cfg=now.logger, run=run, info=info, config=plain)  # W&B
+        ending.info = info
+        ending.logger.regroup(info)  # this process's place among the (regrouped) ranks
+        built = build(now, info, fresh=found is None)
+        s = Session(now, run, plain, ending.logger, tolerance, built, found, resize)
+        s.chain = build_chain(now, plain=plain, run=run.run_id, data=built.data)
+        s.ckpt = checkpointer(s)
+        begin(s)
+        fault_injection.arm(now.fault, built.trainer, s.state)
+        return s
+
+    return begun
 
 
 def train(cfg: Config, run: run_identity.RunInfo) -> float:
@@ -418,8 +357,8 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
     numerics.apply(cfg.numerics)  # before this rank's first CUDA work
     tolerance = build_tolerance(cfg.fault_tolerance, cfg.backend)  # off: the restart path
     info, found = tolerance.setup()  # live: a replacement joins with the state handed over
-    logger, exit_code = None, 1
-    try:
+    # The exit code, and on every path: the logs flushed, the exit recorded, the group torn down
+    with Ending(run.run_dir, info) as ending:
         exit_records.record_start(run.run_dir, info.rank)  # for a peer that outlives this rank
         setup_console(info, run.run_dir)
         log.info("%s", info.describe())
@@ -427,59 +366,10 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         regroup = found is not None  # handed over: continued like a checkpoint of the old group
         if not regroup:
             found = resume_rank0(cfg.resume, run.run_dir / "checkpoints", info)
-        while True:  # fault_tolerance=live: once per membership, each continuing the last
-            with unanimous():  # every rank decides alike from the one checkpoint
-                resize = plan_resize(cfg.elastic, found=found, run=cfg, info=info, regroup=regroup)
-            now = resize.adjust(cfg) if resize else cfg  # its batch and accumulation from here on
-            checks.check_join(now)  # uneven=join vs the accumulation a resize chose
-            config = boundary.plain(now) | ({"resize": resize.record()} if resize else {})
-            if logger is None:
-                logger = RankLogger(cfg=now.logger, run=run, info=info, config=config)  # W&B
-            else:
-                logger.regroup(info)
-            built = build(now, info, fresh=found is None)  # ...while this builds
-            state = TrainState()
-            chain = build_chain(now, plain=config, run=run.run_id, data=built.data)
-            ckpt = checkpointer(now, built, state, chain, run.run_dir, OmegaConf.to_yaml(config))
-            picture = begin(now, run, built, ckpt, chain, state, found, resize, logger)
-            fault_injection.arm(now.fault, built.trainer, state)
-            try:
-                result = fit(now, built, state, ckpt, logger, tolerance)
-                break
-            except Exception as exc:  # live: a lost rank (or a replacement) regroups the ranks
-                regrouped = tolerance.recover(exc, state.step)
-                if regrouped is None:
-                    raise
-                found = tolerance.handover(Held(ckpt, state, built.trainer), regrouped)
-                info, regroup = regrouped, True
-                setup_console(info, run.run_dir)
-        logger.finish_run(result, built.splits, state.step, picture)
-        exit_code = 0
-        name, _ = objective(built.trainer.task, now.selection.monitor, now.selection.mode)
-        return built.evaluation.latest().values[name]
-    except ConfigError as exc:  # one sentence, no traceback: the message says the fix
-        say_refusal(exc, info.rank)  # one every rank met alike: rank 0 says it
-        exit_code = EXIT_CONFIG_ERROR
-        raise SystemExit(EXIT_CONFIG_ERROR) from None
-    except Exception as exc:
-        exit_records.record_failure(run.run_dir, info.rank, exc)  # the launcher names the cause
-        raise
-    except SystemExit as exc:
-        exit_code = exc.code if isinstance(exc.code, int) else 1
-        raise
-    finally:
-        try:
-            if logger is not None:
-                logger.finish(exit_code)
-            if exit_code in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
-                # An agreed stop: a launcher ends the other ranks at the first non-zero exit, so
-                # no rank leaves before every rank has flushed its logs and W&B run.
-                distributed.barrier(info)
-        finally:
-            # Whatever failed above: a process that exits with its gloo group alive can abort
-            # in the interpreter's shutdown ("terminate called without an active exception").
-            exit_records.record_exit(run.run_dir, info.rank, exit_code)
-            distributed.teardown()
+        s = tolerance.run(membership(cfg, run, tolerance, ending), info, found, regroup)
+        s.logger.finish_run(s.result, s.built.splits, s.state.step, s.picture)
+        name, _ = objective(s.built.trainer.task, s.cfg.selection.monitor, s.cfg.selection.mode)
+        return s.built.evaluation.latest().values[name]
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -136,7 +136,7 @@ def timed_epochs(tr: Any, state: Any, epochs: int) -> float:
         state.epoch, state.position = state.epoch + 1, 0
         tr.sampler.set_epoch(state.epoch)
         stats = train_one_epoch(tr, state, lambda s: False, lambda row, step: None)
-        assert stats.steps == tr.schedule.steps_per_epoch, stats.steps
+        assert stats.steps == tr.steps.steps_per_epoch, stats.steps
     dist.barrier()
     return time.perf_counter() - start
 

@@ -76,7 +76,7 @@ def ranks(args: argparse.Namespace) -> None:
         if info.is_main:
             print(f"round {r + 1}: " + ", ".join(f"{v} {seconds[v][-1]:.3f}s" for v in VARIANTS))
     if info.is_main:
-        report(args, seconds, steps=tr.schedule.steps_per_epoch)
+        report(args, seconds, steps=tr.steps.steps_per_epoch)
     distributed.teardown()
 
 

@@ -94,7 +94,7 @@ def ranks(args: argparse.Namespace) -> None:
     identity_s = time.perf_counter() - start
     rule_s = rule_alone(built.trainer, spikes)
     if info.is_main:
-        steps = plain.schedule.steps_per_epoch
+        steps = plain.steps.steps_per_epoch
         report(args, seconds, saves, identity_s, rule_s, steps=steps, fired=fired)
     distributed.teardown()
 

@@ -209,6 +209,16 @@ def first_values(items: list[str]) -> list[str]:
     return out
 
 
+def conf_digest(conf: Path) -> str:
+    """One hash of every file under ``conf/`` (the cache's key: a changed conf composes anew)."""
+    digest = hashlib.sha256()
+    for path in sorted(conf.rglob("*")):
+        if path.is_file():
+            name = path.relative_to(conf.parent).as_posix().encode()
+            digest.update(name + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def compose_problems(docs: list[Doc], root: Path) -> tuple[list[str], int, int]:
     """Problems, commands composed, commands skipped by the mark."""
     src = root / "src"
@@ -222,11 +232,7 @@ def compose_problems(docs: list[Doc], root: Path) -> tuple[list[str], int, int]:
     register_configs()
     problems: list[str] = []
     composed = skipped = 0
-    digest = hashlib.sha256()
-    for path in sorted((root / "conf").rglob("*")):
-        if path.is_file():
-            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
-    conf_hash = digest.hexdigest()
+    conf_hash = conf_digest(root / "conf")
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
         for doc in docs:

@@ -254,6 +254,7 @@ def step_trainer(
         scaler=scaler,
         loader=None,
         sampler=None,
+        steps=None,  # train_step alone reads no step arithmetic
         info=info,
         amp_mode=amp_mode,
         grad_clip=grad_clip,

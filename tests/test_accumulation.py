@@ -129,7 +129,7 @@ def test_resume_with_another_accumulate_is_refused(tmp_path: Path) -> None:
 
     def progress(state: TrainState, accumulate: int) -> Progress:
         schedule = EpochSteps(length=100, batch_size=16, epochs=2, accumulate=accumulate)
-        return Progress(state=state, trainer=SimpleNamespace(schedule=schedule))
+        return Progress(state=state, trainer=SimpleNamespace(steps=schedule))
 
     saved = progress(TrainState(epoch=1, step=5, position=32), accumulate=2)
     found = Found(path, {"world_size": 1, "progress": saved.state_dict(), "ranks": [{}]})

@@ -222,17 +222,12 @@ def test_train_py_exits_2_on_data_errors(tmp_path: Path) -> None:
         assert expected in output and "Traceback" not in output, output[-3000:]
 
 
-def test_uneven_join_on_planned_data_is_refused_in_one_sentence() -> None:
-    from conftest import compose_conf
+def test_uneven_is_a_stream_s_own_key_not_planned_data_s() -> None:
+    """``data.uneven`` is an argument of a stream's factory (its kind's): planned data has no
+    such key, and the root config none either."""
+    from hydra.errors import ConfigCompositionException
 
-    from ddp_template.data.builtin import digits
-    from ddp_template.kind import Planned
-
-    cfg = boundary.typed(compose_conf("uneven=join"))
-    base = digits()
-    with pytest.raises(ConfigError) as err:
-        Planned().check(cfg, base)
-    msg = str(err.value)
-    assert msg.startswith("uneven=join needs a training stream (an IterableDataset) but ")
-    assert msg.endswith("; drop uneven=join.") and msg.count(". ") == 0, msg
-    Planned().check(boundary.typed(compose_conf()), base)  # uneven=stop on planned data: no effect
+    for override in ("uneven=join", "data.uneven=join"):
+        with pytest.raises(ConfigCompositionException):
+            compose_conf(override)
+    assert "uneven" not in compose_conf()

@@ -91,7 +91,7 @@ def test_the_engine_trains_and_evaluates_nested_batches() -> None:
     )
     tr = step_trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), task=task)
     tr.loader = DataLoader(data, batch_size=4, collate_fn=collate)
-    tr.schedule = EpochSteps(length=20, batch_size=4, epochs=1)
+    tr.steps = EpochSteps(length=20, batch_size=4, epochs=1)
 
     class One:  # a sampler of one rank that deals no worker ranges
         def worker_lanes(self, position: int) -> tuple[int, int]:

@@ -98,8 +98,6 @@ BY_NAME = {rule.name: rule for rule in RULES}
 
 # The engine's ``Trainer.schedule`` (EpochSteps) is being renamed on branch ``recipe`` (to
 # ``Trainer.steps``), with train.py and engine.py themselves; until it lands these are its uses.
-PENDING_FILES = ("train.py", "src/ddp_template/engine.py")
-PENDING = re.compile(r"\b(?:tr|trainer)\.schedule\b")
 
 
 @dataclass(frozen=True)
@@ -140,10 +138,6 @@ def misuses(rule: Rule, files: dict[str, str]) -> list[Misuse]:
     return found
 
 
-def _pending(misuse: Misuse) -> bool:
-    return misuse.path in PENDING_FILES or bool(PENDING.search(misuse.text))
-
-
 def _report(found: list[Misuse], rule: Rule) -> str:
     lines = "\n".join(f"  {m}" for m in found)
     return f"'{rule.name}' means {rule.meaning}; used for another thing:\n{lines}"
@@ -153,22 +147,6 @@ def _report(found: list[Misuse], rule: Rule) -> str:
 def test_one_word_one_thing(name: str) -> None:
     rule = BY_NAME[name]
     found = misuses(rule, sources())
-    assert not found, _report(found, rule)
-
-
-def test_schedule_is_the_lr_schedule() -> None:
-    """Everywhere but the ``Trainer.schedule`` attribute the recipe branch renames."""
-    rule = BY_NAME["schedule"]
-    found = [m for m in misuses(rule, sources()) if not _pending(m)]
-    assert not found, _report(found, rule)
-
-
-@pytest.mark.xfail(strict=True, reason="renamed on branch recipe")
-def test_trainer_schedule_is_renamed() -> None:
-    """``Trainer.schedule`` (EpochSteps) in train.py and engine.py and its readers: once the
-    recipe branch lands, this passes, and the xfail and ``PENDING`` go."""
-    rule = BY_NAME["schedule"]
-    found = [m for m in misuses(rule, sources()) if _pending(m)]
     assert not found, _report(found, rule)
 
 
@@ -208,7 +186,7 @@ def test_a_planted_misuse_is_caught(name: str, path: str, line: str) -> None:
     """The real text with one misuse added: the rule names exactly that line."""
     files = sources()
     files[path] = files[path] + line + "\n"
-    found = {(m.path, m.text) for m in misuses(BY_NAME[name], files) if not _pending(m)}
+    found = {(m.path, m.text) for m in misuses(BY_NAME[name], files)}
     assert found == {(path, line)}
 
 

@@ -1,5 +1,6 @@
 """Where training stands, as checkpoint parts: the run's epoch, step and position, this
-rank's sampler at that position, and this rank's ledger of the epoch so far.
+rank's sampler at that position, and this rank's ledger of the epoch so far; ``named_parts``,
+every part of a run's checkpoint by name.
 
 At another world size (elastic resume) each part is re-dealt by ``load_resized``: the
 progress part turns the old ranks' position into a prefix of the epoch (``state.prior``), the
@@ -8,14 +9,17 @@ sampler deals the rest of the epoch, and the old ranks' ledgers travel with that
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+from ddp_template.amp import scaler_part
 from ddp_template.data.contract import Sampler
 from ddp_template.data.sampler_state import check_order
 from ddp_template.engine import Trainer, TrainState
 from ddp_template.errors import Misfit
 from ddp_template.ledger.records import PriorStretch, SavedLedger, Tallied
 from ddp_template.ledger.tally import join_ledgers
+from ddp_template.models import weights_part
+from ddp_template.rng import RngState
 
 
 @dataclass(kw_only=True)
@@ -25,20 +29,19 @@ class Progress:
     position becomes a prefix of the epoch instead: ``load_resized``)."""
 
     state: TrainState
-    trainer: Trainer  # its EpochSteps: the steps the position stands for
+    trainer: Trainer  # its steps: what the position stands for
 
     def state_dict(self) -> dict[str, Any]:
-        s, epoch_steps = self.state, self.trainer.schedule
-        assert epoch_steps is not None  # set by the build before a checkpoint
-        done = epoch_steps.steps_done(s.position)
+        s, steps = self.state, self.trainer.steps
+        done = steps.steps_done(s.position)
         return {
             "epoch": s.epoch,
             "step": s.step,
             "position": s.position,
-            "accumulate": epoch_steps.accumulate,
-            "batch_size": epoch_steps.batch_size,
+            "accumulate": steps.accumulate,
+            "batch_size": steps.batch_size,
             "stretch_steps": done,  # steps of the epoch at this world size
-            "complete": done >= epoch_steps.steps_per_epoch,  # its last step has run
+            "complete": done >= steps.steps_per_epoch,  # its last step has run
             "prior": s.prior,
         }
 
@@ -61,8 +64,7 @@ class Progress:
             s.prior = [*saved["prior"], prefix]
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        assert self.trainer.schedule is not None  # set by the build before a resume
-        k, mine = saved["accumulate"], self.trainer.schedule.accumulate
+        k, mine = saved["accumulate"], self.trainer.steps.accumulate
         if k != mine:
             raise Misfit(
                 f"it was written with optim.accumulate={k} but this run has "
@@ -145,3 +147,37 @@ class Ledger:
 
     def start_fresh(self) -> str:
         return "no ledger saved: a resumed epoch's data/epoch_* keys count from the resume"
+
+
+class Parts(NamedTuple):
+    """A checkpoint's parts by name (``checkpoint.Checkpointer``'s), each restored in its
+    order and refusing its own misfit."""
+
+    parts: dict[str, Any]  # whole, in rank 0's file
+    sliced: dict[str, Any]  # each rank's slices, through DCP (the weights under parallel=fsdp2)
+    rank_parts: dict[str, Any]  # each rank's own
+
+
+def named_parts(tr: Trainer, state: TrainState, switches: dict[str, Any], selection: Any) -> Parts:
+    """Where training stands, the weights (whole, or each rank's slices), the optimizer, the
+    switches (the EMA), the LR schedule, the scaler, the selection; per rank its sampler, RNG,
+    ledger and spike rule."""
+    weights = {
+        "model": weights_part(tr.module),
+        "optimizer": tr.parallel.optimizer_part(tr.module, tr.optimizer),
+        **switches,
+    }
+    parts = {
+        "progress": Progress(state=state, trainer=tr),
+        **({} if tr.parallel.sliced else weights),
+        "scheduler": tr.scheduler,
+        "scaler": scaler_part(tr.scaler),
+        "selection": selection,
+    }
+    rank_parts = {
+        "sampler": SamplerPosition(sampler=tr.sampler, state=state),
+        "rng": RngState(),
+        "ledger": Ledger(state=state),
+        **({"spike": tr.spikes} if tr.spikes is not None else {}),
+    }
+    return Parts(parts, weights if tr.parallel.sliced else {}, rank_parts)

@@ -43,7 +43,6 @@ def check(cfg: Config) -> None:
     _check_loop(cfg)
     _check_parallel(cfg)
     _check_tolerance(cfg)
-    check_join(cfg)
     for f in fields(cfg):  # a group's own checks live beside its schema, as its check()
         own = getattr(getattr(cfg, f.name), "check", None)
         if callable(own):
@@ -150,11 +149,6 @@ def _check_tolerance(cfg: Config) -> None:
         f"fault_tolerance=live rebuilds DDP after a regroup and does not re-slice "
         f"parallel={cfg.parallel.name}; use parallel=ddp, or fault_tolerance=off.",
     )
-    require(
-        str(cfg.uneven) != "join",
-        "fault_tolerance=live cannot regroup inside torch's Join (uneven=join); use "
-        "uneven=stop, or fault_tolerance=off.",
-    )
 
 
 def _check_logger(cfg: Config) -> None:
@@ -195,7 +189,7 @@ def _check_loop(cfg: Config) -> None:
 
 def _check_parallel(cfg: Config) -> None:
     """What ``parallel=fsdp2`` cannot honour: DDP's own options, fp16's loss scaling over
-    slices, and torch's Join (which matches DDP's collectives, not FSDP2's)."""
+    slices."""
     if cfg.parallel.name != "fsdp2":
         return
     defaults = DDPConfig()
@@ -211,31 +205,6 @@ def _check_parallel(cfg: Config) -> None:
         "amp=fp16 cannot run with parallel=fsdp2 (its loss scaler would skip steps on the "
         "ranks whose own slices overflowed, not on all of them); use amp=bf16 (FSDP2's mixed "
         "precision: bf16 forward, fp32 reduction) or amp=off.",
-    )
-    require(
-        cfg.uneven != "join",
-        "uneven=join cannot run with parallel=fsdp2 (torch's Join shadows DDP's all-reduce, not "
-        "FSDP2's all-gathers in every forward); set uneven=stop or parallel=ddp.",
-    )
-
-
-def check_join(cfg: Config) -> None:
-    """What ``uneven=join`` cannot shadow: torch's ``Join`` matches DDP's own collectives and
-    the step hook's, once per step. Also after an elastic resize, which may change accumulate."""
-    if cfg.uneven != "join":
-        return
-    require(
-        not cfg.syncbn.enabled,
-        "syncbn.enabled=true cannot run with uneven=join (SyncBatchNorm all-reduces in every "
-        "forward, which torch's Join does not shadow: a rank whose stream ended would hang the "
-        "others); set syncbn=off or uneven=stop.",
-    )
-    acc = cfg.optim.accumulate
-    require(
-        acc == 1,
-        f"optim.accumulate={acc} cannot run with uneven=join (a joined rank shadows one forward "
-        f"per optimizer step, and {acc} micro-batches a step would miscount the steps it "
-        f"shadows); set optim.accumulate=1 or uneven=stop.",
     )
 
 

@@ -12,8 +12,8 @@ apart: the loss is accumulated as a tensor and read
 just to print. Every batch carries its dataset indices, which feed the rank's IndexTally.
 How the batches come and how the epoch's end is met is ``Trainer.feed``'s (the data kind's):
 a planned epoch's micro-batches (:class:`PlannedFeed`), or a stream's, where every rank stops at
-one step (``streams.stop.Agreement``, uneven=stop) or the loop runs inside torch's ``Join`` and a
-rank whose stream ended shadows the others' steps (``streams.join.Joined``, uneven=join).
+one step (``streams.stop.Agreement``) or the loop runs inside torch's ``Join`` and a rank whose
+stream ended shadows the others' steps (``streams.join.Joined``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -40,7 +40,11 @@ from ddp_template.task import Task
 
 class Feed(Protocol):
     """How an epoch's micro-batches come and how its end is met: ``micro_batches`` yields
-    ``(batch, weight, last)`` from ``position``; the epoch's loop runs inside ``tail``."""
+    ``(batch, weight, last)`` from ``position``; the epoch's loop runs inside ``tail``.
+    ``saves_stop_at_end``: a stop's checkpoint is written after the epoch's loop (once the tail
+    has caught every rank up), not by the step hook at the stop's step."""
+
+    saves_stop_at_end: ClassVar[bool]
 
     def micro_batches(self, tr: Trainer, position: int) -> Iterator[tuple[tuple, float, bool]]:
         """The epoch's micro-batches from ``position`` (a step boundary)."""
@@ -51,12 +55,45 @@ class Feed(Protocol):
         """What the epoch's loop runs inside (a ``nullcontext`` where nothing needs to)."""
 
 
+class StepRule(Protocol):
+    """Sees a step's micro-batches (``hold`` before each forward, ``count`` its loss) and
+    judges the step before its update (``judge``: True skips it; ``own``: this rank's samples
+    of the step judged last). The spike rule's (``spike.Spikes``); :class:`NoRule` by default."""
+
+    own: int
+
+    def hold(self, x: Any, y: Any, idx: Any, module: nn.Module) -> None: ...
+
+    def count(self, loss: torch.Tensor, n: int) -> None: ...
+
+    def judge(self, module: nn.Module, step: int, epoch: int) -> bool: ...
+
+
+class NoRule:
+    """No rule: every step's update is applied."""
+
+    own = 0
+
+    def hold(self, x: Any, y: Any, idx: Any, module: nn.Module) -> None:
+        return None
+
+    def count(self, loss: torch.Tensor, n: int) -> None:
+        return None
+
+    def judge(self, module: nn.Module, step: int, epoch: int) -> bool:
+        return False
+
+
+NO_RULE = NoRule()
+
+
 class PlannedFeed:
-    """A planned epoch's: every rank's micro-batches are dealt by the schedule."""
+    """A planned epoch's: every rank's micro-batches are dealt by ``Trainer.steps``."""
+
+    saves_stop_at_end: ClassVar[bool] = False
 
     def micro_batches(self, tr: Trainer, position: int) -> Iterator[tuple[tuple, float, bool]]:
-        assert tr.schedule is not None  # set by the build before any epoch
-        return micro_batches(tr.loader, tr.schedule, position, tr.info.rank)
+        return micro_batches(tr.loader, tr.steps, position, tr.info.rank)
 
     def tail(self, tr: Trainer, state: TrainState, on_step: StepHook) -> AbstractContextManager:
         return nullcontext()
@@ -78,6 +115,16 @@ class TrainState:
     # the step commits, so a step broken by a lost rank leaves no trace (fault_tolerance=live).
     held: list[tuple] = field(default_factory=list)
 
+    def hold(self, idx: torch.Tensor, worker: list) -> None:
+        """A micro-batch of the step in flight: the ledger's once the step commits."""
+        self.held.append((idx.numpy(), *worker))
+
+    def commit(self, tally: IndexTally) -> None:
+        """The held micro-batches join the tally (the step committed, or the epoch ended)."""
+        for batch in self.held:
+            tally.add(*batch)
+        self.held.clear()
+
     @property
     def steps_before(self) -> int:
         """Steps of the current epoch run at other world sizes."""
@@ -96,13 +143,18 @@ class Trainer:
     amp_mode: str = "off"
     grad_clip: float | None = None
     log_every: int = 10
-    schedule: EpochSteps | None = None  # which micro-batches make each optimizer step
+    steps: EpochSteps  # which micro-batches make each optimizer step
     keep_indices: bool = False
     task: Task  # what is learned: the loss of a micro-batch (ddp_template.task)
     parallel: Parallel  # how the model is laid out over the ranks (DDP, FSDP2)
     feed: Feed = field(default_factory=PlannedFeed)  # the data kind's (data.kind)
     spikes: Any = None  # spike forensics (spike.Spikes): judges each step before its update
     settled: bool = False  # this launch's first step prepared (parallel.settle_buckets)
+
+    @property
+    def rule(self) -> StepRule:
+        """What judges each step before its update: the spike rule, or nothing."""
+        return self.spikes if self.spikes is not None else NO_RULE
 
     @property
     def ddp(self) -> DDP | None:
@@ -188,31 +240,23 @@ def _step(tr: Trainer, x: torch.Tensor, y: torch.Tensor, want_norm: bool) -> Ste
     return StepOut(loss, _optimizer_step(tr, want_norm))
 
 
-def micro_batches(
-    loader: Any, schedule: EpochSteps, position: int, rank: int = 0
-) -> Iterator[tuple]:
+def micro_batches(loader: Any, steps: EpochSteps, position: int, rank: int = 0) -> Iterator[tuple]:
     """The epoch's micro-batches from ``position`` (a step boundary), as ``(batch, weight,
-    last)``: ``weight`` is the batch's share of its optimizer step's samples (``schedule.weight``),
+    last)``: ``weight`` is the batch's share of its optimizer step's samples (``steps.weight``),
     ``last`` ends the step. Stops after the epoch's last (possibly capped) step. Where
     ``rank``'s list has ended (``sampler=exact``) the batch is empty, with weight 0."""
     it, previous = iter(loader), None
-    size = schedule.batch_size
-    for k in range(schedule.steps_done(position), schedule.steps_per_epoch):
-        start, stop = schedule.span(k)
+    size = steps.batch_size
+    for k in range(steps.steps_done(position), steps.steps_per_epoch):
+        start, stop = steps.span(k)
         n = -(-(stop - start) // size)
         for j in range(n):
             lo = start + j * size
-            if schedule.held(rank, lo, min(lo + size, stop)):
+            if steps.held(rank, lo, min(lo + size, stop)):
                 batch = previous = next(it)
             else:
                 batch = empty_batch(loader, previous)
-            yield batch, schedule.weight(len(batch[2]), k), j == n - 1
-
-
-def steps_this_epoch(tr: Trainer, state: TrainState) -> int:
-    """Optimizer steps the coming epoch will run from ``state.position`` (after any cap)."""
-    assert tr.schedule is not None  # set by the build before any epoch
-    return tr.schedule.steps_per_epoch - tr.schedule.steps_done(state.position)
+            yield batch, steps.weight(len(batch[2]), k), j == n - 1
 
 
 def new_tally(tr: Trainer, position: int) -> IndexTally:
@@ -222,10 +266,55 @@ def new_tally(tr: Trainer, position: int) -> IndexTally:
     return IndexTally(keep=tr.keep_indices, workers=workers, first_worker=first)
 
 
-def _commit(tally: IndexTally, held: list[tuple]) -> None:
-    for batch in held:
-        tally.add(*batch)
-    held.clear()
+class Meter:
+    """The epoch's loss and time, kept on the device and read (``.item()``) only at log
+    intervals and at the epoch's end; the interval's row of the logs."""
+
+    def __init__(self, tr: Trainer, stats: EpochStats) -> None:
+        self.tr, self.stats = tr, stats
+        self.loss = torch.zeros((), device=tr.info.device)  # sum of loss x batch size
+        self.since, self.n, self.start = time.perf_counter(), 0, self.loss.clone()
+        self.began = time.perf_counter()
+
+    def timed(self, batches: Iterator[tuple]) -> Iterator[tuple]:
+        """``batches``, the wait for each added to ``data_wait_s``."""
+        it = iter(batches)
+        while True:
+            waited = time.perf_counter()
+            batch = next(it, None)
+            if batch is None:
+                return
+            self.stats.data_wait_s += time.perf_counter() - waited
+            yield batch
+
+    def add(self, loss: torch.Tensor, n: int) -> None:
+        self.loss += loss * n
+        self.n += n
+
+    def row(self, norm: torch.Tensor | None) -> dict[str, float]:
+        """The interval's row of the logs; the next interval starts."""
+        now = time.perf_counter()
+        row = {
+            "train/lr": self.tr.scheduler.get_last_lr()[0],
+            "train/grad_norm": float(norm) if norm is not None else float("nan"),
+            "perf/interval_samples_per_s": self.n / (now - self.since),
+        }
+        if self.n:  # sampler=exact: a rank whose list has ended has no loss to report
+            row["train/loss"] = ((self.loss - self.start) / self.n).item()
+        self.since, self.n = now, 0
+        self.start.copy_(self.loss)
+        return row
+
+    def close(self) -> None:
+        self.stats.loss_sum = float(self.loss.item())  # waits for the device: the whole epoch
+        self.stats.wall_s = time.perf_counter() - self.began
+
+
+def _settle(tr: Trainer, x: Any) -> None:
+    """This launch's first step on DDP's rebuilt buckets."""
+    if not tr.settled:
+        tr.parallel.settle(tr.model, x)
+        tr.settled = True
 
 
 def train_one_epoch(
@@ -238,61 +327,35 @@ def train_one_epoch(
     tr.model.train()
     stats = EpochStats(new_tally(tr, state.position))
     state.tally = stats.tally
-    if steps_this_epoch(tr, state) == 0:
+    if tr.steps.steps_left(state.position) == 0:
         return stats
-    loss_acc = torch.zeros((), device=tr.info.device)  # sum of loss x batch size
-    interval_t, interval_n, interval_start = time.perf_counter(), 0, loss_acc.clone()
-    start = waited = time.perf_counter()
-    batches = tr.feed.micro_batches(tr, state.position)
-    with tr.feed.tail(tr, state, on_step) as shadow:  # uneven=join: Join over DDP, the hook
+    meter, rule = Meter(tr, stats), tr.rule
+    batches = meter.timed(tr.feed.micro_batches(tr, state.position))
+    with tr.feed.tail(tr, state, on_step) as shadow:  # a joined stream's: Join over DDP, the hook
         for (x, y, idx, *worker), weight, last in batches:  # a stream's batches name their worker
-            stats.data_wait_s += time.perf_counter() - waited
             x, y = to_device(x, tr.info.device), to_device(y, tr.info.device)
-            if not tr.settled:  # this launch's first step on DDP's rebuilt buckets
-                tr.parallel.settle(tr.model, x)
-                tr.settled = True
-            if tr.spikes is not None:  # before the forward: the RNG state it starts from
-                tr.spikes.hold(x, y, idx, tr.module)
-            state.held.append((idx.numpy(), *worker))
+            _settle(tr, x)
+            rule.hold(x, y, idx, tr.module)  # before the forward: the RNG state it starts from
+            state.hold(idx, worker)  # the ledger's once the step commits
             loss = _forward_backward(tr, x, y, weight, sync=last)
-            loss_acc += loss * len(idx)
-            interval_n += len(idx)
-            if tr.spikes is not None:
-                tr.spikes.count(loss, len(idx))
+            meter.add(loss, len(idx))
+            rule.count(loss, len(idx))
             if not last:
-                waited = time.perf_counter()
                 continue
             want_norm = (state.step + 1) % tr.log_every == 0
-            skip = tr.spikes is not None and tr.spikes.judge(tr.module, state.step + 1, state.epoch)
-            if skip:
-                stats.spiked += tr.spikes.own
+            skip = rule.judge(tr.module, state.step + 1, state.epoch)
+            stats.spiked += rule.own if skip else 0
             norm = _optimizer_step(tr, want_norm, skip)
-            _commit(stats.tally, state.held)
-            assert tr.schedule is not None
-            state.position = tr.schedule.next_boundary(state.position)  # the same on every rank
+            state.commit(stats.tally)
+            state.position = tr.steps.next_boundary(state.position)  # the same on every rank
             state.step += 1
             stats.steps += 1
             if want_norm:
-                assert norm is not None  # _optimizer_step's norm when wanted
-                now = time.perf_counter()
-                row = {
-                    "train/lr": tr.scheduler.get_last_lr()[0],
-                    "train/grad_norm": float(norm),
-                    "perf/interval_samples_per_s": interval_n / (now - interval_t),
-                }
-                if interval_n:  # sampler=exact: a rank whose list has ended has no loss to report
-                    row["train/loss"] = ((loss_acc - interval_start) / interval_n).item()
-                on_interval(row, state.step)
-                interval_t, interval_n = now, 0
-                interval_start.copy_(loss_acc)
+                on_interval(meter.row(norm), state.step)
             if on_step(state):
                 stats.stopped = True
                 break
-            waited = time.perf_counter()
-        _commit(stats.tally, state.held)  # a stream's last micro-batches past a step's end
-        # Timed before Join's exit: a joined rank's wait for the others is not its step time.
-        stats.loss_sum = float(loss_acc.item())  # waits for the device: time the whole epoch
-        stats.wall_s = time.perf_counter() - start
-    if shadow is not None and shadow.stopped:  # a stop agreed at a step this rank shadowed
-        stats.stopped = True
+        state.commit(stats.tally)  # a stream's last micro-batches past a step's end
+        meter.close()  # before Join's exit: a joined rank's wait is not its step time
+    stats.stopped |= shadow is not None and shadow.stopped  # a stop at a step it shadowed
     return stats

@@ -81,7 +81,7 @@ class DataKind(Protocol):
 
 class Planned:
     """Map-style data (``len`` and ``__getitem__``): a ``ShareSampler`` deals every epoch
-    before it starts, so every rank's steps are known and its ends are never uneven."""
+    before it starts, so every rank's steps are known and no rank runs out before another."""
 
     pictured: ClassVar[bool] = True
 
@@ -96,13 +96,7 @@ class Planned:
             raise ConfigError("the training set is empty; check data.path / data.size.")
 
     def check(self, cfg: Config, splits: Splits) -> None:
-        if str(cfg.uneven) == "join":
-            raise ConfigError(
-                f"uneven=join needs a training stream (an IterableDataset) but "
-                f"{type(splits.train).__name__} is planned (map-style or sharded data: every "
-                f"rank's steps are dealt before the epoch, so its ends are never uneven); drop "
-                f"uneven=join."
-            )
+        return None
 
     def sampler(
         self,

@@ -124,6 +124,12 @@ class Preemption:
             )
         raise SystemExit(EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED)
 
+    def __enter__(self) -> Preemption:
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        self.close(broken=isinstance(exc, Exception))  # a failed collective: not waited for
+
     def close(self, *, broken: bool = False) -> None:
         """Restore the signal handlers; after a clean loop read the agreement still in flight.
         After a failed collective (``broken``) it is dropped unread: its peers may be gone or in

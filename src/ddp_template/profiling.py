@@ -49,6 +49,12 @@ class StepProfiler:
         if self.prof is not None:
             self.prof.step()
 
+    def __enter__(self) -> StepProfiler:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def close(self) -> None:
         if self.prof is not None:
             prof, self.prof = self.prof, None

@@ -13,7 +13,7 @@ gradient, the running statistics put back), which is what ``replay --step S --lo
 <checkpoint of step S-1>`` reproduces from the run directory.
 
 With ``spike.skip`` the ranks agree on every step (one all-reduce of the ranks' verdicts a step,
-before the optimizer steps; under ``uneven=join`` the joined ranks shadow it): when any rank's
+before the optimizer steps; a stream's joined ranks shadow it, ``streams.join``): when any rank's
 rule fires, every rank records its samples, gathered into one report of the whole step (so do
 they with ``syncbn=on`` or ``parallel=fsdp2``, whose forward is itself a collective: a step
 re-runs on every rank or on none), and the step's update is skipped (its gradients dropped,
@@ -204,7 +204,7 @@ class Spikes:
         return agreed and self.cfg.skip
 
     def shadow(self, step: int, epoch: int) -> None:
-        """A rank whose stream ended (``uneven=join``) meets the others' collectives of the
+        """A rank whose stream ended (under torch's Join) meets the others' collectives of the
         step (judged together: the verdicts, and a spike's gather) with no samples of its own."""
         self._held, self._losses, self._buffers = [], [], []
         if self.together:

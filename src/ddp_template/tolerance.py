@@ -1,5 +1,6 @@
 """What a rank's death does: the ``fault_tolerance`` builder.
 
+Its ``run`` drives the run's memberships (``train.train``'s build → fit part).
 ``fault_tolerance=off`` (the default) is the restart path: a failed collective ends the
 process, the launcher ends the group, and a restart resumes from the last checkpoint at any
 world size (``elastic``). ``fault_tolerance=live`` survives it in place: the optional folder
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -42,6 +44,20 @@ class Held(NamedTuple):
     trainer: Any  # engine.Trainer
 
 
+class Membership(Protocol):
+    """One membership's run as the seam drives it (``train.Session``)."""
+
+    def fit(self) -> Any:
+        """Train to the end (raises where the group breaks)."""
+
+    def held(self) -> Held:
+        """What this rank holds when its group broke."""
+
+
+M = TypeVar("M", bound=Membership)
+Begin = Callable[[DistInfo, Found | None, bool], M]  # (info, found, regroup): a membership's
+
+
 class Tolerance(Protocol):
     def setup(self) -> Start:
         """Join the process group (a replacement: once admitted, with the state handed over)."""
@@ -49,13 +65,9 @@ class Tolerance(Protocol):
     def boundary(self, step: int) -> None:
         """After every optimizer step on every rank; raises to regroup (a replacement waits)."""
 
-    def recover(self, exc: BaseException, step: int) -> DistInfo | None:
-        """After ``exc`` broke the loop (this rank's weights at ``step``): its place among the
-        regrouped ranks, or None (no rank was lost: ``exc`` is the run's own failure)."""
-
-    def handover(self, held: Held, info: DistInfo) -> Found:
-        """The state every member continues from, as an in-memory checkpoint (a collective of
-        the regrouped ranks)."""
+    def run(self, begin: Begin[M], info: DistInfo, found: Found | None, regroup: bool) -> M:
+        """The run's memberships, each begun by ``begin`` and fitted (off: one; live: one per
+        regroup, each continuing from the state the last handed over); the last, fitted."""
 
 
 class Restart:
@@ -70,11 +82,11 @@ class Restart:
     def boundary(self, step: int) -> None:
         return None
 
-    def recover(self, exc: BaseException, step: int) -> DistInfo | None:
-        return None
-
-    def handover(self, held: Held, info: DistInfo) -> Found:
-        raise AssertionError("the restart path hands nothing over")  # recover returned None
+    def run(self, begin: Begin[M], info: DistInfo, found: Found | None, regroup: bool) -> M:
+        """One membership: a failure ends the process, and the launcher's restart resumes."""
+        membership = begin(info, found, regroup)
+        membership.fit()
+        return membership
 
 
 def reconfigurable() -> str | None:

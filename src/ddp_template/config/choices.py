@@ -99,14 +99,6 @@ class EvalSplit(Choice):
     train = "train"
 
 
-class Uneven(Choice):
-    """A stream's uneven ends: all ranks stop at the first that runs out, or each trains on
-    all of its data under torch's ``Join``."""
-
-    stop = "stop"
-    join = "join"  # type: ignore[assignment]  # a member named join shadows str.join: the YAML value
-
-
 class MonitorMode(Choice):
     max = "max"
     min = "min"

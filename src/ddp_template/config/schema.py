@@ -36,7 +36,6 @@ from ddp_template.config.choices import (
     StartMethod,
     SystemMetrics,
     Tolerance,
-    Uneven,
     WandbMode,
     WandbRuns,
 )
@@ -312,10 +311,6 @@ class Config:
     # The split of the final evaluation (summary.json): test, val (data.val_fraction > 0) or
     # train (without augmentation). With epochs=0 and finetune.init_from: evaluate a checkpoint.
     eval_split: EvalSplit = EvalSplit.test
-    # A training stream's uneven ends (README "Streams"): stop (all ranks stop at the first
-    # that runs out; what the others had left is counted as unread) or join (each rank trains
-    # on all of its data under torch's Join; no syncbn, optim.accumulate=1).
-    uneven: Uneven = Uneven.stop
     transforms: TransformsConfig = field(default_factory=TransformsConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     spike: SpikeConfig = field(default_factory=SpikeConfig)

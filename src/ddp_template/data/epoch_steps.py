@@ -123,6 +123,10 @@ class EpochSteps:
             return self.steps_per_epoch
         return position // self.step_size
 
+    def steps_left(self, position: int) -> int:
+        """Optimizer steps the epoch runs from ``position`` (after any cap)."""
+        return self.steps_per_epoch - self.steps_done(position)
+
     def span(self, k: int) -> tuple[int, int]:
         """The positions [start, stop) that step ``k`` (0-based, within an epoch) reads."""
         readable = min(self.micro_batches * self.batch_size, self.length)

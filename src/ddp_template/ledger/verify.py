@@ -22,6 +22,7 @@ import numpy as np
 
 from ddp_template.data.contract import Sampler
 from ddp_template.distributed import DistInfo, gather_objects
+from ddp_template.errors import Unanimous
 from ddp_template.ledger.records import (
     Coverage,
     Definition,
@@ -193,6 +194,23 @@ def resumed_prefix(
                 f"the ones this run's sampler puts there"
             )
     return skipped, repeated, wrong
+
+
+def continuity(sampler: Any, state: Any, info: DistInfo) -> tuple[int, int]:
+    """The epoch read before a resume against what the restored sampler puts there, on every
+    rank (a collective; ``state``: the restored ``engine.TrainState``): the samples skipped and
+    repeated, or a refusal every rank meets."""
+    # A stream resumes only at an epoch's end (position 0, no prefix): nothing to prove.
+    mine = resumed_prefix(sampler, state.position, state.carried, state.prior, rank=info.rank)
+    rows = gather_objects(mine, info)
+    wrong = [w for _, _, ws in rows for w in ws]
+    if wrong:  # every rank holds the same rows: a refusal they all meet
+        raise Unanimous(
+            f"resume at step {state.step}: {wrong[0]}, so it would skip and repeat samples; "
+            f"resume with the template version and config that wrote the checkpoint, or start "
+            f"fresh with resume=never."
+        )
+    return sum(r[0] for r in rows), sum(r[1] for r in rows)
 
 
 def epoch_report(

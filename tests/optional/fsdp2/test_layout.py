@@ -26,7 +26,6 @@ from ddp_template.optional.gpt.model import gpt
     [
         ("parallel=fsdp2 amp=fp16", "amp=fp16 cannot run with parallel=fsdp2"),
         ("parallel=fsdp2 ddp.bucket_cap_mb=50", "ddp.bucket_cap_mb=50.0 is an option of Distrib"),
-        ("parallel=fsdp2 uneven=join", "uneven=join cannot run with parallel=fsdp2"),
         ("parallel.replicate=2", "parallel.replicate=2 is an option of parallel=fsdp2"),
         ("parallel=fsdp2 parallel.replicate=0", "parallel.replicate=0 must be >= 1"),
     ],

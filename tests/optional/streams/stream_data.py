@@ -60,10 +60,12 @@ class DigitsStream(IterableDataset):
             yield (self.x[i], int(self.y[i]), i) if self.key else (self.x[i], int(self.y[i]))
 
 
-def digits_stream(split_by_worker: bool = True, skewed: bool = False) -> Splits:
+def digits_stream(
+    split_by_worker: bool = True, skewed: bool = False, uneven: str = "stop"
+) -> Splits:
     base = digits()
     train = DigitsStream(base.train.x, base.train.y, split_by_worker, key=True, skewed=skewed)
-    return Splits(train, base.test, base.info, kind=Streamed())
+    return Splits(train, base.test, base.info, kind=Streamed(uneven=uneven))
 
 
 def no_key_stream() -> Splits:
@@ -86,7 +88,7 @@ class Rows(IterableDataset):
         self.rows.set_epoch(epoch)
 
 
-def parquet_stream(path: str, split_by_node: bool = True) -> Splits:
+def parquet_stream(path: str, split_by_node: bool = True, uneven: str = "stop") -> Splits:
     import pyarrow.parquet as pq
     from datasets import load_dataset
     from datasets.distributed import split_dataset_by_node
@@ -98,7 +100,7 @@ def parquet_stream(path: str, split_by_node: bool = True) -> Splits:
         rows = split_dataset_by_node(rows, rank=rank, world_size=world)
     num_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
     base = digits()
-    return Splits(Rows(rows, num_rows), base.test, base.info, kind=Streamed())
+    return Splits(Rows(rows, num_rows), base.test, base.info, kind=Streamed(uneven=uneven))
 
 
 class EnvSplitDigits(IterableDataset):

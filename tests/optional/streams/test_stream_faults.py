@@ -92,7 +92,8 @@ def conf(tmp_path_factory) -> Path:
 
 
 def launch(conf: Path, out: Path, *overrides: str, check: bool = True):
-    paths = [str(ROOT / "tests" / "streams"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    here = str(ROOT / "tests" / "optional" / "streams")
+    paths = [here, *filter(None, [os.environ.get("PYTHONPATH")])]
     cmd = train_cmd(
         out,
         f"hydra.searchpath=[file://{conf / 'conf'}]",

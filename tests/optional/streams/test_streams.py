@@ -8,9 +8,9 @@ tests/stream_data.py, registered as ``data`` options by a conf folder of the tes
 stream that shards itself trains with the verdict ok and one without a worker split is a loud
 mismatch naming every worker; Hugging Face streaming from local Parquet is ok with
 ``split_dataset_by_node``, names the overlap without it, and with 3 shards on 2 ranks ends
-without a hang, the sample left unread named by its id (``uneven=stop``) or read by the rank
-that had it while the other shadows its step (``uneven=join``); a signal to the joined rank
-during the tail stops both at one step. The refusals of ``uneven=join`` need no launch.
+without a hang, the sample left unread named by its id (``data.uneven=stop``) or read by the rank
+that had it while the other shadows its step (``data.uneven=join``); a signal to the joined rank
+during the tail stops both at one step. The refusals of ``data.uneven=join`` need no launch.
 """
 
 from __future__ import annotations
@@ -223,9 +223,14 @@ def conf(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("streams")
     (root / "conf" / "data").mkdir(parents=True)
     options = {
-        "own_stream": "_target_: stream_data.digits_stream\nsplit_by_worker: true\nskewed: false\n",
+        "own_stream": (
+            "_target_: stream_data.digits_stream\nsplit_by_worker: true\nskewed: false\n"
+            "uneven: stop\n"
+        ),
         "no_key_stream": "_target_: stream_data.no_key_stream\n",
-        "parquet_stream": "_target_: stream_data.parquet_stream\npath: ???\nsplit_by_node: true\n",
+        "parquet_stream": (
+            "_target_: stream_data.parquet_stream\npath: ???\nsplit_by_node: true\nuneven: stop\n"
+        ),
     }
     for name, text in options.items():
         (root / "conf" / "data" / f"{name}.yaml").write_text(text)
@@ -235,7 +240,8 @@ def conf(tmp_path_factory) -> Path:
 
 
 def launch(conf: Path, out: Path, *overrides: str, world: int = W, check: bool = True):
-    paths = [str(ROOT / "tests" / "streams"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    here = str(ROOT / "tests" / "optional" / "streams")
+    paths = [here, *filter(None, [os.environ.get("PYTHONPATH")])]
     env = run_env(PYTHONPATH=os.pathsep.join(paths))
     cmd = train_cmd(
         out,
@@ -332,10 +338,10 @@ def test_hugging_face_streaming_from_parquet(
 
 @pytest.mark.slow
 def test_uneven_join_trains_every_rank_on_all_of_its_stream(conf, tmp_path) -> None:
-    """3 shards on 2 ranks, uneven=join: rank 1's stream ends a batch before rank 0's, it joins
+    """3 shards on 2 ranks, data.uneven=join: rank 1's stream ends a batch before rank 0's, it joins
     and shadows rank 0's 24th step, and nothing is left unread; the second epoch shows both
     ranks counted that step (their preemption checks still meet)."""
-    data = ["data=parquet_stream", f"data.path={conf / 'three'}", "uneven=join"]
+    data = ["data=parquet_stream", f"data.path={conf / 'three'}", "data.uneven=join"]
     proc = launch(conf, tmp_path, *data, "epochs=2")
     d = assert_one_run_dir(tmp_path, W)
     reports = shard_rows(d)
@@ -364,7 +370,7 @@ def test_a_signal_to_the_joined_rank_in_the_tail_stops_both_ranks_at_one_step(
         tmp_path,
         "data=own_stream",
         "data.skewed=true",
-        "uneven=join",
+        "data.uneven=join",
         "epochs=1",
         "checkpoint.enabled=true",
         "checkpoint.preempt_check_every=2",
@@ -389,22 +395,30 @@ def test_a_signal_to_the_joined_rank_in_the_tail_stops_both_ranks_at_one_step(
     [
         (
             ["syncbn=on"],
-            "syncbn.enabled=true cannot run with uneven=join (SyncBatchNorm all-reduces",
+            "syncbn.enabled=true cannot run with data.uneven=join (SyncBatchNorm all-reduces",
         ),
-        (["optim.accumulate=2"], "optim.accumulate=2 cannot run with uneven=join"),
+        (["optim.accumulate=2"], "optim.accumulate=2 cannot run with data.uneven=join"),
+        (["parallel=fsdp2"], "data.uneven=join cannot run with parallel=fsdp2"),
+        (["fault_tolerance=live"], "fault_tolerance=live cannot regroup inside torch's Join"),
     ],
 )
 def test_uneven_join_refuses_what_join_cannot_shadow_in_one_sentence(overrides, says) -> None:
+    """The stream's kind refuses them (``Streamed.check``, which ``train.build`` calls with the
+    config in force: after an elastic resize, its accumulate)."""
     from conftest import compose_conf
 
-    from ddp_template import checks
     from ddp_template.config import boundary
+    from ddp_template.data.contract import Splits
+    from ddp_template.optional.streams.kind import Streamed
 
+    cfg, base = boundary.typed(compose_conf(*overrides)), digits()
+    splits = Splits(Pairs(), base.test, base.info)
     with pytest.raises(ConfigError) as err:
-        checks.check(boundary.typed(compose_conf("uneven=join", *overrides)))
+        Streamed(uneven="join").check(cfg, splits)
     msg = str(err.value)
-    assert says in msg and "or uneven=stop." in msg and "\n" not in msg, msg
-    checks.check(boundary.typed(compose_conf("uneven=stop", *overrides)))  # stop: accepted
+    assert msg.startswith(says) and "data.uneven=stop" in msg and "\n" not in msg, msg
+    Streamed(uneven="stop").check(cfg, splits)  # stop: accepted
+    Streamed().check(cfg, splits)  # stop: the default
 
 
 def test_uneven_join_on_a_stream_is_accepted() -> None:
@@ -412,7 +426,11 @@ def test_uneven_join_on_a_stream_is_accepted() -> None:
 
     from ddp_template.config import boundary
     from ddp_template.data.contract import Splits
-    from ddp_template.optional.streams.contract import check_run
+    from ddp_template.optional.streams.kind import Streamed
 
     base = digits()
-    check_run(boundary.typed(compose_conf("uneven=join")), Splits(Pairs(), base.test, base.info))
+    Streamed(uneven="join").check(
+        boundary.typed(compose_conf()), Splits(Pairs(), base.test, base.info)
+    )
+    with pytest.raises(ConfigError, match=r"^data.uneven=both is not a way .* data.uneven=join\.$"):
+        Streamed(uneven="both")

@@ -77,7 +77,7 @@ def run_scenario(rank: int, name: str) -> dict:
         sampler=StreamPosition(expected=None, world_size=W, batch_size=B, workers=0),
         info=info,
         log_every=1000,
-        schedule=StreamSteps(length=B * max(lengths), batch_size=B, epochs=1),
+        steps=StreamSteps(length=B * max(lengths), batch_size=B, epochs=1),
         keep_indices=True,
         task=Classification(),
         feed=Joined(info=info, switches={"ema": ema}),

@@ -83,7 +83,7 @@ def _claim(held: Held | None, target: int) -> Claim:
     if state.step == target - 1 and state.held:  # its part of the step rank 0 completed
         for batch in state.held:
             state.tally.add(*batch)
-        state.position = tr.schedule.next_boundary(state.position)
+        state.position = tr.steps.next_boundary(state.position)
         state.step += 1
         state.held.clear()
     dropped = sum(len(batch[0]) for batch in state.held)
@@ -112,14 +112,14 @@ def derived_ledger(held: Held, rank: int) -> SavedLedger:
     """``rank``'s ledger of this deal's part of the epoch, up to the committed position:
     the micro-batches its list held, as the loop would have read them."""
     state, tr = held.state, held.trainer
-    sampler, epoch_steps = tr.sampler, tr.schedule
+    sampler, steps = tr.sampler, tr.steps
     workers, first = sampler.worker_lanes(0)
     tally = IndexTally(workers=workers, first_worker=first)
-    size = epoch_steps.batch_size
-    for k in range(epoch_steps.steps_done(state.position)):
-        start, stop = epoch_steps.span(k)
+    size = steps.batch_size
+    for k in range(steps.steps_done(state.position)):
+        start, stop = steps.span(k)
         for lo in range(start, stop, size):
-            n = epoch_steps.held(rank, lo, min(lo + size, stop))
+            n = steps.held(rank, lo, min(lo + size, stop))
             if n:
                 tally.add(sampler.index_at(np.arange(lo, lo + n, dtype=np.int64), rank=rank))
     if not state.position:

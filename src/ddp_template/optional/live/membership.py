@@ -32,7 +32,7 @@ from ddp_template.config.schema import BackendConfig, FaultToleranceConfig
 from ddp_template.distributed import DistInfo
 from ddp_template.optional.live import keys
 from ddp_template.optional.live.handover import handover
-from ddp_template.tolerance import MEMBERSHIP_VAR, Held, Start
+from ddp_template.tolerance import MEMBERSHIP_VAR, Begin, Held, M, Start
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,23 @@ class Live:
         self.store.set(keys.ready(self.id), str(os.getpid()))  # the launcher admits it
         info = self._regroup(step=-1, joining=True)
         return Start(info, handover(None, info, self.target))
+
+    def run(self, begin: Begin[M], info: DistInfo, found: Found | None, regroup: bool) -> M:
+        """One membership after another until one fits to the end: where a rank is lost (or a
+        replacement waits), the members regroup, the one furthest on hands its state to the
+        others, and the next membership begins from it."""
+        while True:
+            membership = begin(info, found, regroup)
+            try:
+                membership.fit()
+                return membership
+            except Exception as exc:  # a lost rank (or a replacement) regroups the ranks
+                held = membership.held()
+                regrouped = self.recover(exc, held.state.step)
+                if regrouped is None:
+                    raise
+                found = self.handover(held, regrouped)
+                info, regroup = regrouped, True
 
     def boundary(self, step: int) -> None:
         """Every ``admit_every`` steps: is a replacement waiting? Each rank's heartbeat thread

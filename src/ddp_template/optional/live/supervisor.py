@@ -150,28 +150,38 @@ class Supervisor:
             self.beats_read = now
         for member in list(self.members):
             code = member.process.exitcode
-            if code is None:
-                if not read_beats:
-                    continue
-                beat = self._beat(member)
-                if beat != member.beat:
-                    member.beat, member.beat_at = beat, now
-                elif beat and now - member.beat_at > self.ft.dead_after_s:
-                    member.process.kill()  # a stopped or hung rank: it must not come back
-                    member.process.join()
-                    self._lose(member, f"silent for {now - member.beat_at:.1f} s, killed")
-                continue
-            if code == 0:
-                self.live.set(keys.CLOSED, str(member.slot))
-                self.members.remove(member)
-                self.done.append(member)
-                self._write(event="finished", slot=member.slot, incarnation=member.incarnation)
-                continue
-            if code > 0:  # the rank's own failure: the run ends (a restart resumes it)
-                self._write(event="failed", slot=member.slot, exit=code)
-                self._end(signal.SIGTERM)
-                raise SystemExit(code)
-            self._lose(member, f"killed by {signal.Signals(-code).name}")
+            if code is not None:
+                self._exited(member, code)
+            elif read_beats:
+                self._listen(member, now)
+        self._admit()
+
+    def _listen(self, member: Member, now: float) -> None:
+        """A running member's heartbeat: a new one, or silence too long (killed, lost)."""
+        beat = self._beat(member)
+        if beat != member.beat:
+            member.beat, member.beat_at = beat, now
+        elif beat and now - member.beat_at > self.ft.dead_after_s:
+            member.process.kill()  # a stopped or hung rank: it must not come back
+            member.process.join()
+            self._lose(member, f"silent for {now - member.beat_at:.1f} s, killed")
+
+    def _exited(self, member: Member, code: int) -> None:
+        """A member's exit: finished, its own failure (the run ends), or killed (lost)."""
+        if code == 0:
+            self.live.set(keys.CLOSED, str(member.slot))
+            self.members.remove(member)
+            self.done.append(member)
+            self._write(event="finished", slot=member.slot, incarnation=member.incarnation)
+            return
+        if code > 0:  # the rank's own failure: the run ends (a restart resumes it)
+            self._write(event="failed", slot=member.slot, exit=code)
+            self._end(signal.SIGTERM)
+            raise SystemExit(code)
+        self._lose(member, f"killed by {signal.Signals(-code).name}")
+
+    def _admit(self) -> None:
+        """The waiting replacements: failed, or ready to join (a new membership)."""
         for member in list(self.waiting):
             if member.process.exitcode is not None:
                 self.waiting.remove(member)

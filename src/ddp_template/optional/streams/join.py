@@ -1,4 +1,4 @@
-"""``uneven=join``: every rank of a stream trains on all of its data, under torch's ``Join``.
+"""``data.uneven=join``: every rank of a stream trains on all of its data, under torch's ``Join``.
 
 A rank whose stream has ended *joins*: it waits in the exit of ``Join([ddp, shadow])`` and,
 for every step the others still run, shadows their collectives in the order they issue them
@@ -26,8 +26,10 @@ have data therefore moves the weights by W'/W of a full step at the same learnin
 each of its samples weighs 1/(W x batch_size), as in every other step. ``False`` would divide
 by W' (a tail step as if trained at W' ranks: its samples weighing W/W' more).
 
-Not shadowed, so refused (``boundary.check_join``): SyncBatchNorm's all-reduce in every forward,
-and ``optim.accumulate > 1`` (several forwards a step would miscount the steps shadowed).
+Not shadowed, so refused (:func:`check_join`, from ``Streamed.check``): SyncBatchNorm's
+all-reduce in every forward, ``optim.accumulate > 1`` (several forwards a step would miscount
+the steps shadowed), ``parallel=fsdp2`` (its all-gathers in every forward) and
+``fault_tolerance=live`` (it cannot regroup inside Join).
 """
 
 from __future__ import annotations
@@ -35,21 +37,25 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from ddp_template.config.schema import Config
 from ddp_template.distributed import DistInfo
+from ddp_template.errors import require
 
 
 @dataclass(kw_only=True)
 class Joined:
-    """``Trainer.feed`` under ``uneven=join``: each rank's whole stream, its end shadowed."""
+    """``Trainer.feed`` under ``data.uneven=join``: each rank's whole stream, its end shadowed."""
 
     info: DistInfo
     workers: int = 1
+    # A joined rank's optimizer is stale until Join's end: a stop's checkpoint waits for it.
+    saves_stop_at_end: ClassVar[bool] = True
     switches: dict[str, Any] = field(default_factory=dict)  # stale on a joined rank: caught up
     unread: list[tuple[int, list[str]]] = field(default_factory=list)  # per worker: none
 
@@ -57,8 +63,8 @@ class Joined:
         """Every batch of this rank's stream as ``((x, y, keys, worker), 1.0, True)`` (one a
         step), up to ``max_steps_per_epoch``."""
         self.unread = [(0, []) for _ in range(self.workers)]
-        loader, epoch_steps = tr.loader, tr.schedule
-        it, k, cap = iter(loader), epoch_steps.steps_done(position), epoch_steps.max_steps_per_epoch
+        loader, steps = tr.loader, tr.steps
+        it, k, cap = iter(loader), steps.steps_done(position), steps.max_steps_per_epoch
         while cap is None or k < cap:
             batch = next(it, None)
             if batch is None:
@@ -82,6 +88,35 @@ class Joined:
         }
         shadow = StepShadow(trainer=trainer, state=state, on_step=on_step, held=held)
         return _joined(trainer.ddp, shadow)
+
+
+def check_join(cfg: Config) -> None:
+    """What ``data.uneven=join`` cannot shadow: torch's ``Join`` matches DDP's own collectives
+    and the step hook's, once per step (the config in force: after a resize, its accumulate)."""
+    require(
+        not cfg.syncbn.enabled,
+        "syncbn.enabled=true cannot run with data.uneven=join (SyncBatchNorm all-reduces in "
+        "every forward, which torch's Join does not shadow: a rank whose stream ended would hang "
+        "the others); set syncbn=off or data.uneven=stop.",
+    )
+    acc = cfg.optim.accumulate
+    require(
+        acc == 1,
+        f"optim.accumulate={acc} cannot run with data.uneven=join (a joined rank shadows one "
+        f"forward per optimizer step, and {acc} micro-batches a step would miscount the steps "
+        f"it shadows); set optim.accumulate=1 or data.uneven=stop.",
+    )
+    require(
+        str(cfg.parallel.name) != "fsdp2",
+        "data.uneven=join cannot run with parallel=fsdp2 (torch's Join shadows DDP's "
+        "all-reduce, not FSDP2's all-gathers in every forward); set data.uneven=stop or "
+        "parallel=ddp.",
+    )
+    require(
+        str(cfg.fault_tolerance.mode) != "live",
+        "fault_tolerance=live cannot regroup inside torch's Join (data.uneven=join); use "
+        "data.uneven=stop, or fault_tolerance=off.",
+    )
 
 
 @contextmanager
@@ -122,7 +157,7 @@ class StepShadow(Joinable):
         s = self.state
         if self.trainer.spikes is not None:  # the spike rule's all-reduce of the step's loss
             self.trainer.spikes.shadow(s.step + 1, s.epoch)
-        s.position = self.trainer.schedule.next_boundary(s.position)
+        s.position = self.trainer.steps.next_boundary(s.position)
         s.step += 1
         self.stopped |= bool(self.on_step(s))
 

@@ -1,9 +1,11 @@
 """``Streamed``: the data kind of a training stream, an ``IterableDataset`` the template cannot
-plan. A stream's factory returns ``Splits(train, test, info, kind=Streamed())``.
+plan. A stream's factory returns ``Splits(train, test, info, kind=Streamed(uneven=uneven))``,
+``uneven`` its own argument (``data.uneven``, stop by default).
 
 Its items are read as they come and tagged with their key and loader worker (``contract``),
-its epoch ends where the ranks agree (``stop``, ``uneven=stop``) or under torch's ``Join``
-(``join``, ``uneven=join``), and its verdict comes from the keys (``verify``).
+its epoch ends where the ranks agree (``stop``, ``data.uneven=stop``) or under torch's ``Join``
+(``join``, ``data.uneven=join``: what Join cannot shadow refused by ``join.check_join``), and
+its verdict comes from the keys (``verify``).
 """
 
 from __future__ import annotations
@@ -27,15 +29,28 @@ from ddp_template.optional.streams.contract import (
     check_run,
     check_stream,
 )
-from ddp_template.optional.streams.join import Joined
+from ddp_template.optional.streams.join import Joined, check_join
 from ddp_template.optional.streams.stop import Agreement, StreamSteps
 from ddp_template.optional.streams.verify import verify_stream
+
+UNEVEN = ("stop", "join")  # data.uneven: how a stream's uneven ends are met
 
 
 class Streamed:
     """A training stream: no sampler deals it, its keys account for it."""
 
     pictured: ClassVar[bool] = False  # nothing is dealt, so there are no shares to draw
+
+    def __init__(self, uneven: str = "stop") -> None:
+        """``uneven``: the stream's uneven ends (``data.uneven``): ``stop`` (all ranks stop at
+        the first that runs out; what the others had left is counted as unread) or ``join``
+        (each rank trains on all of its data under torch's Join)."""
+        if str(uneven) not in UNEVEN:
+            raise ConfigError(
+                f"data.uneven={uneven} is not a way to meet a stream's uneven ends; use "
+                f"data.uneven=stop (the default) or data.uneven=join."
+            )
+        self.uneven = str(uneven)
 
     def accept(self, splits: Splits, *, val_fraction: float, target: str) -> None:
         check_stream(splits.train)  # its first item: (x, y, key)
@@ -47,7 +62,11 @@ class Streamed:
             )
 
     def check(self, cfg: Config, splits: Splits) -> None:
+        """The run's options a stream cannot honour, and (data.uneven=join) what torch's Join
+        cannot shadow: ``train.build`` calls it with the config in force (after a resize)."""
         check_run(cfg, splits)
+        if self.uneven == "join":
+            check_join(cfg)
 
     def sampler(
         self,
@@ -91,11 +110,11 @@ class Streamed:
         return StreamSteps.of_sampler(cfg, sampler, steps_before=steps_before)
 
     def feed(self, cfg: Config, info: DistInfo, switches: dict[str, Any]) -> Feed:
-        """All ranks stop at the first that runs out (uneven=stop), or each trains on all of
-        its data under torch's Join (uneven=join; a joined rank's switches are caught up at the
-        end with the optimizer's state)."""
+        """All ranks stop at the first that runs out (data.uneven=stop), or each trains on all
+        of its data under torch's Join (data.uneven=join; a joined rank's switches are caught up
+        at the end with the optimizer's state)."""
         workers = max(cfg.loader.num_workers, 1)
-        if str(cfg.uneven) == "join":
+        if self.uneven == "join":
             return Joined(info=info, workers=workers, switches=switches)
         return Agreement(info=info, workers=workers)
 

@@ -8,8 +8,9 @@ only if all have it, and all stop at the first rank that runs out. The collectiv
 step ahead (asynchronously, on a gloo group of its own) and waited for only when that step
 begins, so its latency hides behind the current step's compute. The ranks that still had data
 read the rest of their stream without training on it, and those samples are counted and named,
-per worker, in the epoch's verdict (``streams.verify``). This is ``uneven=stop``, the
-default; ``uneven=join`` (``streams.join.Joined``) trains every rank on all of its data instead.
+per worker, in the epoch's verdict (``streams.verify``). This is ``data.uneven=stop``,
+the default; ``data.uneven=join`` (``streams.join.Joined``) trains every rank on all of its data
+instead.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,7 @@ class Agreement:
     info: DistInfo
     workers: int = 1
     group: Any = None
+    saves_stop_at_end: ClassVar[bool] = False  # every rank stops at the same step
     unread: list[tuple[int, list[str]]] = field(default_factory=list)  # per worker
 
     def __post_init__(self) -> None:
@@ -63,10 +65,10 @@ class Agreement:
         """The epoch's micro-batches as ``((x, y, keys, worker), weight, last)`` while every
         rank has a whole step of them, up to ``max_steps_per_epoch``."""
         self.unread = [(0, []) for _ in range(self.workers)]
-        loader, epoch_steps = tr.loader, tr.schedule
-        it, k, cap = iter(loader), epoch_steps.steps_done(position), epoch_steps.max_steps_per_epoch
-        step = _take(it, epoch_steps.accumulate)
-        agreed = self._agree(step, epoch_steps.accumulate)
+        loader, steps = tr.loader, tr.steps
+        it, k, cap = iter(loader), steps.steps_done(position), steps.max_steps_per_epoch
+        step = _take(it, steps.accumulate)
+        agreed = self._agree(step, steps.accumulate)
         while cap is None or k < cap:
             if not _wait(agreed):
                 self._leave(step, it)
@@ -74,8 +76,8 @@ class Agreement:
             k += 1
             ahead = None
             if cap is None or k < cap:  # the next step's agreement overlaps this step
-                upcoming = _take(it, epoch_steps.accumulate)
-                ahead = self._agree(upcoming, epoch_steps.accumulate)
+                upcoming = _take(it, steps.accumulate)
+                ahead = self._agree(upcoming, steps.accumulate)
             total = sum(len(b[1]) for b in step)
             for j, ((x, y, _), keys, worker, _names) in enumerate(step):
                 yield (x, y, keys, worker), len(keys) / total, j == len(step) - 1

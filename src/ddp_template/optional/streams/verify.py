@@ -153,9 +153,19 @@ def _overlaps(
     shared = [(b, int(c)) for b, c in zip(bits, counts, strict=True) if len(b) > 1]
     if not shared:
         return []
+    return (
+        _not_split_by_rank(shared, pairs, world, int(counts.sum()))
+        or _not_split_by_worker(bits, counts, pairs, world, workers)
+        or _pairs_overlapping(shared, pairs)
+    )
+
+
+def _not_split_by_rank(
+    shared: list[tuple[list[int], int]], pairs: list[tuple[int, int]], world: int, total: int
+) -> list[str]:
+    """Every rank read every sample: the stream is not split by rank."""
     rank_sets = [({pairs[p][0] for p in b}, c) for b, c in shared]
-    total = int(counts.sum())
-    if world > 1 and all(len(ranks) == world for ranks, _ in rank_sets) and len(shared):
+    if world > 1 and all(len(ranks) == world for ranks, _ in rank_sets):
         n = sum(c for _, c in shared)
         if n == total:
             return [
@@ -165,7 +175,18 @@ def _overlaps(
                 f"the rank in __init__, or RANK/WORLD_SIZE from the environment as "
                 f"wds.split_by_node does)"
             ]
-    split_by_worker_missing = {}
+    return []
+
+
+def _not_split_by_worker(
+    bits: list[list[int]],
+    counts: np.ndarray,
+    pairs: list[tuple[int, int]],
+    world: int,
+    workers: int,
+) -> list[str]:
+    """On some rank every sample was read by each of its loader workers."""
+    missing = {}
     for r in range(world):
         own = [p for p, (rank, _) in enumerate(pairs) if rank == r]
         if workers < 2 or len(own) < 2:
@@ -173,15 +194,22 @@ def _overlaps(
         mine = [(set(b) & set(own), int(c)) for b, c in zip(bits, counts, strict=True)]
         mine = [(b, c) for b, c in mine if b]
         if mine and all(len(b) == len(own) for b, _ in mine):
-            split_by_worker_missing[r] = (sum(c for _, c in mine), len(own))
-    if split_by_worker_missing:
-        ranks = ", ".join(map(str, split_by_worker_missing))
-        each = "; ".join(f"{n} samples {k}x" for n, k in split_by_worker_missing.values())
-        return [
-            f"on rank {ranks} every sample was read by each loader worker ({each}): the "
-            f"stream is not split by worker (wds.split_by_worker forgotten? a dataset that "
-            f"ignores get_worker_info?)"
-        ]
+            missing[r] = (sum(c for _, c in mine), len(own))
+    if not missing:
+        return []
+    ranks = ", ".join(map(str, missing))
+    each = "; ".join(f"{n} samples {k}x" for n, k in missing.values())
+    return [
+        f"on rank {ranks} every sample was read by each loader worker ({each}): the "
+        f"stream is not split by worker (wds.split_by_worker forgotten? a dataset that "
+        f"ignores get_worker_info?)"
+    ]
+
+
+def _pairs_overlapping(
+    shared: list[tuple[list[int], int]], pairs: list[tuple[int, int]]
+) -> list[str]:
+    """The (rank, worker) pairs that read the same samples, the most first."""
     between: dict[tuple[int, int], int] = {}
     for b, c in shared:
         for i, p in enumerate(b):

@@ -69,39 +69,14 @@ def scan_shard(path: Path, key: str) -> dict:
     """One pass over a tar: each sample's key, label, byte range and input member."""
     samples: list[list] = []
     current: dict | None = None
-
-    def close(sample: dict | None) -> None:
-        if sample is None:
-            return
-        name = f"{sample['key']!r} in {path}"
-        if sample["label"] is None:
-            raise ConfigError(
-                f"data.{key}: sample {name} has no .cls member (it has "
-                f".{', .'.join(sample['exts'])}); every sample needs <key>.cls holding its "
-                f"integer label: write the shards with "
-                f"python -m ddp_template.optional.webdataset.writer write."
-            )
-        if sample["input"] is None:
-            raise ConfigError(
-                f"data.{key}: sample {name} has no input member (it has "
-                f".{', .'.join(sample['exts'])}); give each sample one of "
-                f".{', .'.join(INPUT_EXTS)}."
-            )
-        ext, offset, size = sample["input"]
-        samples.append(
-            [sample["key"], sample["label"], sample["start"], sample["stop"], ext, offset, size]
-        )
-
     with tarfile.open(path, "r:") as tar:
         for member in tar:
-            if not member.isfile():
-                continue
-            split = _key_and_ext(member.name)
+            split = _key_and_ext(member.name) if member.isfile() else None
             if split is None:
                 continue
             sample_key, ext = split
             if current is None or current["key"] != sample_key:
-                close(current)
+                _close(current, samples, path, key)
                 current = {
                     "key": sample_key,
                     "label": None,
@@ -112,20 +87,49 @@ def scan_shard(path: Path, key: str) -> dict:
             current["exts"].append(ext)
             current["stop"] = member.offset_data + member.size
             if ext == "cls":
-                member_file = tar.extractfile(member)
-                assert member_file is not None  # a regular file: isfile() above
-                raw = member_file.read().decode().strip()
-                try:
-                    current["label"] = int(raw)
-                except ValueError:
-                    raise ConfigError(
-                        f"data.{key}: {sample_key}.cls in {path} holds {raw[:20]!r}, not an "
-                        f"integer label; write the class index as text, e.g. 3."
-                    ) from None
+                current["label"] = _label(tar, member, f"{sample_key}.cls in {path}", key)
             elif ext in INPUT_EXTS and current["input"] is None:
                 current["input"] = (ext, member.offset_data, member.size)
-        close(current)
+        _close(current, samples, path, key)
     return {"samples": samples}
+
+
+def _label(tar: tarfile.TarFile, member: tarfile.TarInfo, name: str, key: str) -> int:
+    """A ``.cls`` member's integer label."""
+    handle = tar.extractfile(member)
+    assert handle is not None  # a regular file's member (the scan keeps only those)
+    raw = handle.read().decode().strip()
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"data.{key}: {name} holds {raw[:20]!r}, not an "
+            f"integer label; write the class index as text, e.g. 3."
+        ) from None
+
+
+def _close(sample: dict | None, samples: list[list], path: Path, key: str) -> None:
+    """A sample whose members have all been read: its row, once it has a label and an input."""
+    if sample is None:
+        return
+    name = f"{sample['key']!r} in {path}"
+    if sample["label"] is None:
+        raise ConfigError(
+            f"data.{key}: sample {name} has no .cls member (it has "
+            f".{', .'.join(sample['exts'])}); every sample needs <key>.cls holding its "
+            f"integer label: write the shards with "
+            f"python -m ddp_template.optional.webdataset.writer write."
+        )
+    if sample["input"] is None:
+        raise ConfigError(
+            f"data.{key}: sample {name} has no input member (it has "
+            f".{', .'.join(sample['exts'])}); give each sample one of "
+            f".{', .'.join(INPUT_EXTS)}."
+        )
+    ext, offset, size = sample["input"]
+    samples.append(
+        [sample["key"], sample["label"], sample["start"], sample["stop"], ext, offset, size]
+    )
 
 
 def _stamp(path: Path) -> dict:
