@@ -67,6 +67,7 @@ from ddp_template.models import (
 from ddp_template.optim import build_optimizer, build_scheduler, set_horizon
 from ddp_template.parallel import build_parallel, compile_model
 from ddp_template.preemption import Preemption
+from ddp_template.probe import probe
 from ddp_template.process import exit_records, quick_exit
 from ddp_template.profiling import StepProfiler
 from ddp_template.provenance import Chain, Link, build_chain
@@ -134,6 +135,7 @@ def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Bui
     if cfg.numerics.channels_last:
         numerics.to_channels_last(model)
     model.to(info.device)
+    probe(task, model, splits, info, cfg.model._target_)  # the task meets the model: one sentence
     switches = build_switches(cfg, model, info, parallel.mirror)  # laid out, never compiled
     trained = parallel.wrap(model)  # DDP wraps the model; FSDP2 slices it in place
     log.info("%s", parallel.describe())

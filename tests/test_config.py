@@ -238,3 +238,13 @@ def test_keys_no_schema_declares_are_refused(
 ) -> None:
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         typed(compose_cfg(override))
+
+
+def test_unknown_option_lists_only_options(tmp_path: Path) -> None:
+    """Hydra's "Available options" for a misspelt option names the group's YAMLs only: the
+    schemas live in their own group (``/schema/...``), not among the options."""
+    proc = run(train_cmd(tmp_path, "model=nope"), check=False, timeout=60)
+    listed = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Available options" in listed, listed[-2000:]
+    options = listed.split("Available options in 'model':", 1)[1].split("Config search", 1)[0]
+    assert options.split() == sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))

@@ -322,37 +322,44 @@ class Config:
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
 
+# The schemas' own group: an option's YAML names its schema as ``/schema/<group>@_here_`` (or
+# ``/schema/model/<name>@_here_``), so no schema shows among a group's options (``model=nope``).
+SCHEMA_GROUP = "schema"
+
+
 def register_configs() -> None:
     """Register the schemas; idempotent, called before Hydra composes."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     groups: dict[str, dict[str, Any]] = {
-        "sampler": {"sampler_schema": SamplerConfig},
-        "backend": {"backend_schema": BackendConfig},
-        "syncbn": {"syncbn_schema": SyncBNConfig},
-        "amp": {"amp_schema": AmpConfig},
-        "parallel": {"parallel_schema": ParallelConfig},
-        "fault_tolerance": {"fault_tolerance_schema": FaultToleranceConfig},
-        "optim": {"optim_schema": OptimConfig},
-        "logger": {"logger_schema": LoggerConfig},
-        "transforms": {"transforms_schema": TransformsConfig},
+        "sampler": {"sampler": SamplerConfig},
+        "backend": {"backend": BackendConfig},
+        "syncbn": {"syncbn": SyncBNConfig},
+        "amp": {"amp": AmpConfig},
+        "parallel": {"parallel": ParallelConfig},
+        "fault_tolerance": {"fault_tolerance": FaultToleranceConfig},
+        "optim": {"optim": OptimConfig},
+        "logger": {"logger": LoggerConfig},
+        "transforms": {"transforms": TransformsConfig},
         "model": {
-            "small_cnn_schema": SmallCNNConfig,
-            "resnet18_schema": ResNet18Config,
-            "torchvision_schema": TorchvisionModelConfig,
-            "mlp_schema": MLPConfig,
-            "fcn_schema": FCNConfig,
+            "small_cnn": SmallCNNConfig,
+            "resnet18": ResNet18Config,
+            "torchvision": TorchvisionModelConfig,
+            "mlp": MLPConfig,
+            "fcn": FCNConfig,
         },
         "data": {
-            "digits_schema": DigitsConfig,
-            "diabetes_schema": DiabetesConfig,
-            "synthetic_schema": SyntheticConfig,
-            "torchvision_schema": TorchvisionDataConfig,
-            "imagefolder_schema": ImageFolderConfig,
-            "array_schema": ArrayConfig,
-            "shapes_schema": ShapesConfig,
+            "digits": DigitsConfig,
+            "diabetes": DiabetesConfig,
+            "synthetic": SyntheticConfig,
+            "torchvision": TorchvisionDataConfig,
+            "imagefolder": ImageFolderConfig,
+            "array": ArrayConfig,
+            "shapes": ShapesConfig,
         },
     }
     for group, schemas in groups.items():
         for name, node in schemas.items():
-            cs.store(group=group, name=name, node=node)
+            # /schema/<group> for a group of one schema, /schema/<group>/<option> for the others
+            within = SCHEMA_GROUP if len(schemas) == 1 else f"{SCHEMA_GROUP}/{group}"
+            cs.store(group=within, name=name, node=node)
