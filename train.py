@@ -31,7 +31,7 @@ from ddp_template.checkpoint import Checkpointer, Found, resume_rank0
 from ddp_template.checkpoint_parts import Ledger, Progress, SamplerPosition
 from ddp_template.config import boundary
 from ddp_template.config.schema import Config, register_configs
-from ddp_template.data.contract import MapData, Splits, first_input
+from ddp_template.data.contract import DataRecord, MapData, Splits, first_input
 from ddp_template.data.identity import DataIdentity, identify
 from ddp_template.data.loader import build_eval_loader
 from ddp_template.data.transforms import apply_transforms
@@ -195,6 +195,7 @@ def checkpointer(
         "scheduler": tr.scheduler,
         "scaler": scaler_part(tr.scaler),
         "selection": built.selection,
+        "data_info": DataRecord(built.splits.info),  # for the record: the model from the file alone
     }
     return Checkpointer(
         directory=run_dir / "checkpoints",
