@@ -41,7 +41,7 @@ from ddp_template.task import Task
 
 SAMPLES = 4  # training samples the probe runs
 RTOL, ATOL = 1e-4, 1e-6  # float32 sums of a few samples in another order
-FIX = 'docs/forking.md "Add a model" says what each task reads'
+FIX = 'docs/forking.md "Add a model" lists what each task reads'
 
 
 def probe(task: Task, model: nn.Module, splits: Splits, info: DistInfo, target: str = "") -> None:
@@ -191,7 +191,7 @@ def _loss(task: Task, output: Any, y: Any, reduction: str, who: Who, pair: str) 
     except Exception as exc:
         raise ConfigError(
             f"{who.task} cannot score the output of {who.model}: loss(output, y, {reduction!r}) "
-            f"with {pair} fails ({first_line(exc)}); {_fix(output, y, who)}; {FIX}."
+            f"with {pair} fails ({first_line(exc)}); {_fix(output, y, who)} ({FIX})."
         ) from None
     if not isinstance(loss, Tensor) or loss.numel() != 1 or loss.ndim != 0:
         got = f"shape {shape(loss)}" if isinstance(loss, Tensor) else type(loss).__name__
@@ -211,7 +211,7 @@ def _check_update(task: Task, sums: Tensor, output: Any, y: Any, who: Who, pair:
     except Exception as exc:
         raise ConfigError(
             f"{who.task}: update(sums, output, y) fails with {pair} ({first_line(exc)}); "
-            f"{_fix(output, y, who)}; {FIX}."
+            f"{_fix(output, y, who)} ({FIX})."
         ) from None
 
 
