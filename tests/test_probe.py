@@ -130,7 +130,7 @@ def test_shipped_tasks_pass(
     before = torch.get_rng_state()
     start = time.perf_counter()
     check_fit(task, model, splits, CPU, cfg.model._target_)
-    assert time.perf_counter() - start < 0.5
+    assert time.perf_counter() - start < 2.0  # ~10 ms on one idle thread
     assert torch.equal(torch.get_rng_state(), before) and model.training  # nothing disturbed
 
 
@@ -171,3 +171,14 @@ def test_train_refuses_the_broadcast_before_the_first_step(tmp_path: Path) -> No
     assert "output (4, 8, 8) and target (4, 1, 8, 8) broadcast" in out
     assert out.count("not the mean of their losses one by one") == 1, out[-3000:]
     assert "train/loss" not in out and not list(tmp_path.rglob("last.pt"))
+
+
+def test_train_refuses_a_tuple_in_one_sentence(tmp_path: Path) -> None:
+    """One process, a model returning a tuple: exit 2, the sentence once, no traceback."""
+    conf = _forker_conf(tmp_path)
+    searched = f"hydra.searchpath=[file://{conf}]"
+    overrides = [searched, "data=noisy", "task=denoise", "model=denoiser", "model.mistake=pair"]
+    proc = run(train_cmd(tmp_path, *overrides, "epochs=1"), check=False, env=_env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
+    assert out.count("returns a tuple of 2 [(4, 1, 8, 8), (4, 1, 8, 8)] where task Denoise") == 1

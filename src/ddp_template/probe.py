@@ -20,6 +20,7 @@ on its class and skips the exactness part (the other checks stay).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import math
@@ -90,18 +91,24 @@ def check_fit(
 
 
 class Who:
-    """The names a sentence gives: the task's class and file, the model's factory and file."""
+    """The names a sentence gives: the task's class and file, the model's factory and file
+    (looked up only for a sentence)."""
 
     def __init__(self, task: Task, model: nn.Module, target: str) -> None:
-        cls = type(task)
-        self.task = f"task {cls.__name__} ({where(cls, cls.__module__)})"
-        if target:
-            try:
-                self.model = f"model._target_={target} ({where(get_method(target), target)})"
-            except Exception:
-                self.model = f"model._target_={target}"
-        else:
-            self.model = f"model {type(model).__name__} ({where(type(model), '?')})"
+        self._task, self._model, self._target = type(task), type(model), target
+
+    @functools.cached_property
+    def task(self) -> str:
+        return f"task {self._task.__name__} ({where(self._task, self._task.__module__)})"
+
+    @functools.cached_property
+    def model(self) -> str:
+        if not self._target:
+            return f"model {self._model.__name__} ({where(self._model, '?')})"
+        try:
+            return f"model._target_={self._target} ({where(get_method(self._target), '?')})"
+        except Exception:
+            return f"model._target_={self._target}"
 
 
 def where(obj: Any, fallback: str) -> str:
