@@ -47,6 +47,7 @@ from ddp_template.models import build_model, check_batch_statistics, convert_syn
 from ddp_template.optim import build_optimizer, build_scheduler, set_horizon
 from ddp_template.parallel import build_parallel, compile_model
 from ddp_template.preemption import Preemption
+from ddp_template.probe import probe
 from ddp_template.process import exit_records, quick_exit
 from ddp_template.profiling import StepProfiler
 from ddp_template.provenance import Chain, build_chain
@@ -113,6 +114,7 @@ def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Bui
     if cfg.numerics.channels_last:
         numerics.to_channels_last(model)
     model.to(info.device)
+    probe(task, model, splits, info, cfg.model._target_)  # the task meets the model: one sentence
     switches = build_switches(cfg, model, info, parallel.mirror)  # laid out, never compiled
     trained = parallel.wrap(model)  # DDP wraps the model; FSDP2 slices it in place
     log.info("%s", parallel.describe())
@@ -184,9 +186,9 @@ class Session:
 def checkpointer(s: Session) -> Checkpointer:
     """The checkpoint's named parts (``named_parts``: restored in their order, each refusing
     its own misfit), the chain sealed over them."""
-    tr = s.built.trainer
+    tr, b = s.built.trainer, s.built
     return Checkpointer(
-        **named_parts(tr, s.state, s.built.switches, s.built.selection)._asdict(),
+        **named_parts(tr, s.state, b.switches, b.selection, b.splits.info)._asdict(),
         directory=s.run.run_dir / "checkpoints",
         cfg=s.cfg.checkpoint,
         config_yaml=OmegaConf.to_yaml(s.plain),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,11 +13,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp_template.checks import check
 from ddp_template.config.boundary import typed
-from ddp_template.config.schema import SamplerMode
+from ddp_template.config.schema import SPLIT_KEYS, SamplerMode
 from ddp_template.data.sampler_modes import SAMPLER_MODES
 from ddp_template.errors import ConfigError
 from ddp_template.models import build_model
+from ddp_template.probe import check_fit
 from ddp_template.splits import build_splits
+from ddp_template.task import build_task
 
 GROUPS = {
     "sampler": list(SAMPLER_MODES),
@@ -74,17 +77,25 @@ def test_option_composes(group: str, option: str, compose_cfg: Callable[..., Dic
         assert cfg.syncbn.enabled is (option == "on")
 
 
+# The task and data each model is for (a classifier's by default): a new model of another task
+# adds its line here, and the probe checks that its output is what that task reads.
+MODEL_JOBS = {
+    "fcn": ["task=segmentation", "data=shapes", "data.size=8", "data.test_size=4"],
+    "mlp": ["task=regression", "data=diabetes"],
+}
+CLASSIFIER = ["task=classification", "data=synthetic", "data.size=8", "data.image_size=16"]
+
+
 @pytest.mark.parametrize("model", GROUPS["model"])
 def test_every_model_instantiates_and_runs(
     model: str, compose_cfg: Callable[..., DictConfig]
 ) -> None:
-    data = ["data=synthetic", "data.size=8", "data.image_size=16"]
-    cfg = compose_cfg(f"model={model}", *(["data=diabetes"] if model == "mlp" else data))
+    cfg = compose_cfg(f"model={model}", *MODEL_JOBS.get(model, CLASSIFIER))
     splits = build_splits(cfg.data)
-    net = build_model(cfg.model, splits.info).eval()
-    x = torch.stack([splits.train[i][0] for i in range(2)])
-    outputs = splits.info.num_classes or splits.info.out_features
-    assert net(x).shape[:2] == (2, outputs)  # fcn: per pixel, (2, C, H, W)
+    task = build_task(cfg.task)
+    task.setup(splits.info, torch.device("cpu"))
+    net = build_model(cfg.model, splits.info)
+    check_fit(task, net, splits, torch.device("cpu"), cfg.model._target_)  # what the task reads
 
 
 def test_builtin_offline_data_instantiates(
@@ -238,3 +249,29 @@ def test_keys_no_schema_declares_are_refused(
 ) -> None:
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         typed(compose_cfg(override))
+
+
+def test_unknown_option_lists_only_options(tmp_path: Path) -> None:
+    """Hydra's "Available options" for a misspelt option names the group's YAMLs only: the
+    schemas live in their own group (``/schema/...``), not among the options."""
+    proc = run(train_cmd(tmp_path, "model=nope"), check=False, timeout=60)
+    listed = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Available options" in listed, listed[-2000:]
+    options = listed.split("Available options in 'model':", 1)[1].split("Config search", 1)[0]
+    assert options.split() == sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
+
+
+def test_template_data_keys_need_no_plus_with_a_forkers_factory(
+    tmp_path: Path, compose_cfg: Callable[..., DictConfig]
+) -> None:
+    """``data.val_fraction`` (the keys the template reads itself, ``SPLIT_KEYS``) with a
+    forker's factory YAML that names no schema and no such key: composed, typed, carved."""
+    conf = tmp_path / "conf"
+    shutil.copytree(ROOT / "conf", conf)
+    (conf / "data" / "noisy.yaml").write_text("_target_: forker_denoise.noisy\nsize: 50\n")
+    cfg = compose_cfg("data=noisy", "data.val_fraction=0.2", "logger=none", conf=conf)
+    assert set(SPLIT_KEYS) <= set(cfg.data)
+    splits = build_splits(typed(cfg).data)
+    assert (len(splits.train), len(splits.val)) == (40, 10)  # type: ignore[arg-type]
+    plain = compose_cfg("data=noisy", conf=conf)
+    assert plain.data.val_fraction == 0.0 and len(build_splits(plain.data).train) == 50

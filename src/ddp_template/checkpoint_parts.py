@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ddp_template.amp import scaler_part
-from ddp_template.data.contract import Sampler
+from ddp_template.data.contract import DataInfo, DataRecord, Sampler
 from ddp_template.data.sampler_state import check_order
 from ddp_template.engine import Trainer, TrainState
 from ddp_template.errors import Misfit
@@ -158,10 +158,13 @@ class Parts(NamedTuple):
     rank_parts: dict[str, Any]  # each rank's own
 
 
-def named_parts(tr: Trainer, state: TrainState, switches: dict[str, Any], selection: Any) -> Parts:
+def named_parts(
+    tr: Trainer, state: TrainState, switches: dict[str, Any], selection: Any, info: DataInfo
+) -> Parts:
     """Where training stands, the weights (whole, or each rank's slices), the optimizer, the
     switches (the EMA), the LR schedule, the scaler, the selection; per rank its sampler, RNG,
-    ledger and spike rule."""
+    ledger and spike rule; the data's ``DataInfo``, for the record (the model from the file
+    alone)."""
     weights = {
         "model": weights_part(tr.module),
         "optimizer": tr.parallel.optimizer_part(tr.module, tr.optimizer),
@@ -173,6 +176,7 @@ def named_parts(tr: Trainer, state: TrainState, switches: dict[str, Any], select
         "scheduler": tr.scheduler,
         "scaler": scaler_part(tr.scaler),
         "selection": selection,
+        "data_info": DataRecord(info),
     }
     rank_parts = {
         "sampler": SamplerPosition(sampler=tr.sampler, state=state),

@@ -7,7 +7,8 @@ the evaluation state as a vector of **sums** the evaluation all-reduces, the met
 from those sums, the direction each metric improves in (what ``selection.monitor`` may name,
 the sweep's direction), and any torchmetrics metrics its YAML lists (``metrics:``), which run
 on the unpadded evaluation shares and sync their own states. The engine and the evaluation know
-none of it. Readers: ``engine`` (``loss``), ``spike`` (``sample_losses``),
+none of it. Readers: ``engine`` (``loss``), ``spike`` (``sample_losses``), ``probe`` (``loss``,
+``sums`` and ``update`` on a few samples before the first step, unless ``batch_level``),
 ``evaluation.evaluate`` (``begin``, ``sums``, ``update``, ``result``), ``config.boundary``
 (``directions``), ``train`` (``setup``, the objective), ``run_identity`` (the sweep's
 direction). A new task is one file and one YAML
@@ -63,6 +64,9 @@ class Task:
 
     directions: ClassVar[Mapping[str, Direction]] = {}
     monitor: ClassVar[str] = ""
+    # A loss (or evaluation sums) over the batch as a whole by design (a contrastive loss, a
+    # batch's ranking): the start-up probe (``probe``) then leaves out its per-sample checks.
+    batch_level: ClassVar[bool] = False
 
     def __init__(self, metrics: Mapping[str, Any] | None = None) -> None:
         self.extra = dict(metrics or {})  # name → torchmetrics.Metric

@@ -11,7 +11,7 @@ validated by their own schema, while a user's own ``_target_`` YAML needs no sch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -50,6 +50,7 @@ from ddp_template.config.loop import (
 )
 from ddp_template.config.options import (
     ArrayConfig,
+    DataSplitConfig,
     DiabetesConfig,
     DigitsConfig,
     FCNConfig,
@@ -65,7 +66,7 @@ from ddp_template.config.options import (
 )
 from ddp_template.errors import ConfigError
 
-SPLIT_KEYS = ("val_fraction",)  # data keys the template applies itself (not the factory's)
+SPLIT_KEYS = tuple(f.name for f in fields(DataSplitConfig))  # data keys the template applies
 
 
 @dataclass
@@ -281,7 +282,9 @@ class Config:
     syncbn: SyncBNConfig = field(default_factory=SyncBNConfig)
     amp: AmpConfig = field(default_factory=AmpConfig)
     model: Any = MISSING
-    data: Any = MISSING
+    # Every data option's keys merge over the template's own (``SPLIT_KEYS``, at their defaults):
+    # ``data.val_fraction=0.2`` works with a forker's factory YAML as with the built-in ones.
+    data: Any = field(default_factory=lambda: {f.name: f.default for f in fields(DataSplitConfig)})
     task: Any = MISSING  # what is learned: its loss and metrics (ddp_template.task)
     optim: OptimConfig = field(default_factory=OptimConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -317,37 +320,44 @@ class Config:
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
 
+# The schemas' own group: an option's YAML names its schema as ``/schema/<group>@_here_`` (or
+# ``/schema/model/<name>@_here_``), so no schema shows among a group's options (``model=nope``).
+SCHEMA_GROUP = "schema"
+
+
 def register_configs() -> None:
     """Register the schemas; idempotent, called before Hydra composes."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     groups: dict[str, dict[str, Any]] = {
-        "sampler": {"sampler_schema": SamplerConfig},
-        "backend": {"backend_schema": BackendConfig},
-        "syncbn": {"syncbn_schema": SyncBNConfig},
-        "amp": {"amp_schema": AmpConfig},
-        "parallel": {"parallel_schema": ParallelConfig},
-        "fault_tolerance": {"fault_tolerance_schema": FaultToleranceConfig},
-        "optim": {"optim_schema": OptimConfig},
-        "logger": {"logger_schema": LoggerConfig},
-        "transforms": {"transforms_schema": TransformsConfig},
+        "sampler": {"sampler": SamplerConfig},
+        "backend": {"backend": BackendConfig},
+        "syncbn": {"syncbn": SyncBNConfig},
+        "amp": {"amp": AmpConfig},
+        "parallel": {"parallel": ParallelConfig},
+        "fault_tolerance": {"fault_tolerance": FaultToleranceConfig},
+        "optim": {"optim": OptimConfig},
+        "logger": {"logger": LoggerConfig},
+        "transforms": {"transforms": TransformsConfig},
         "model": {
-            "small_cnn_schema": SmallCNNConfig,
-            "resnet18_schema": ResNet18Config,
-            "torchvision_schema": TorchvisionModelConfig,
-            "mlp_schema": MLPConfig,
-            "fcn_schema": FCNConfig,
+            "small_cnn": SmallCNNConfig,
+            "resnet18": ResNet18Config,
+            "torchvision": TorchvisionModelConfig,
+            "mlp": MLPConfig,
+            "fcn": FCNConfig,
         },
         "data": {
-            "digits_schema": DigitsConfig,
-            "diabetes_schema": DiabetesConfig,
-            "synthetic_schema": SyntheticConfig,
-            "torchvision_schema": TorchvisionDataConfig,
-            "imagefolder_schema": ImageFolderConfig,
-            "array_schema": ArrayConfig,
-            "shapes_schema": ShapesConfig,
+            "digits": DigitsConfig,
+            "diabetes": DiabetesConfig,
+            "synthetic": SyntheticConfig,
+            "torchvision": TorchvisionDataConfig,
+            "imagefolder": ImageFolderConfig,
+            "array": ArrayConfig,
+            "shapes": ShapesConfig,
         },
     }
     for group, schemas in groups.items():
         for name, node in schemas.items():
-            cs.store(group=group, name=name, node=node)
+            # /schema/<group> for a group of one schema, /schema/<group>/<option> for the others
+            within = SCHEMA_GROUP if len(schemas) == 1 else f"{SCHEMA_GROUP}/{group}"
+            cs.store(group=within, name=name, node=node)

@@ -58,6 +58,28 @@ class Sampler(Protocol):
     def worker_lanes(self, position: int, /) -> tuple[int, int]: ...
 
 
+@dataclass
+class DataRecord:
+    """``DataInfo`` as a checkpoint part, for the record: what the data told the model, so the
+    checkpoint alone rebuilds its model (``python -m ddp_template.optional.gpt.sample``) without
+    the data. A resume restores nothing from it (the model's weights refuse other sizes)."""
+
+    info: DataInfo
+
+    def state_dict(self) -> dict[str, Any]:
+        named = {f.name: getattr(self.info, f.name) for f in fields(self.info) if f.name != "extra"}
+        return {**named, "extra": dict(self.info.extra)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Nothing to restore."""
+
+    @staticmethod
+    def read(state: Mapping[str, Any]) -> DataInfo:
+        """The ``DataInfo`` a checkpoint's record holds."""
+        known = {f.name for f in fields(DataInfo)}
+        return DataInfo(**{k: v for k, v in state.items() if k in known})
+
+
 class MapData(Protocol):
     """A map-style dataset as the samplers and loaders read it: its length and item ``i``
     (``(x, y, i)``). torch's ``Dataset`` declares no ``__len__`` (an ``IterableDataset`` is one

@@ -5,12 +5,14 @@ model that learns, torch.compile (Inductor) equal to eager, and
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import PY, run, train_cmd
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.nn import functional as F
@@ -231,3 +233,23 @@ def test_sample_refuses_bad_input_with_exit_2(
     refused(
         digits, "data._target_=ddp_template.data.builtin.digits, whose data gives no vocabulary"
     )
+
+
+def test_sample_needs_only_the_checkpoint(tmp_path: Path) -> None:
+    """A run's last.pt copied alone to an empty folder samples from another empty working
+    directory: what the data told the model is in the checkpoint (``data_info``), so no data
+    is rebuilt (no corpus regenerated) and nothing is written."""
+    work, alone, elsewhere = tmp_path / "work", tmp_path / "alone", tmp_path / "elsewhere"
+    for d in (work, alone, elsewhere):
+        d.mkdir()
+    model_keys = [f"model.{k}={v}" for k, v in TINY.items()]
+    lm = ["model=gpt", "data=corpus", "task=lm", "data.size=20000", f"data.block_size={BLOCK}"]
+    cmd = train_cmd(tmp_path, *lm, *model_keys, "epochs=1", "max_steps_per_epoch=2")
+    run(cmd, cwd=work)
+    (ckpt,) = (tmp_path / "outputs").glob("*/checkpoints/last.pt")
+    shutil.copy(ckpt, alone / "last.pt")
+    before = sorted(p for d in (alone, elsewhere) for p in d.rglob("*"))
+    args = [PY, "-m", "ddp_template.optional.gpt.sample", str(alone / "last.pt")]
+    proc = run([*args, "--prompt", "The", "--tokens", "8"], cwd=elsewhere)
+    assert proc.stdout.startswith("The") and len(proc.stdout.rstrip("\n").encode()) >= 3 + 8
+    assert sorted(p for d in (alone, elsewhere) for p in d.rglob("*")) == before

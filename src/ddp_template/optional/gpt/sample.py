@@ -3,9 +3,10 @@
     python -m ddp_template.optional.gpt.sample <run_dir>/checkpoints/last.pt --prompt "Once upon"
     python -m ddp_template.optional.gpt.sample CKPT --prompt-ids 464,2068 --tokens 50   # not bytes
 
-The model is built from the config the checkpoint holds and what its data tells the model
-(``DataInfo.extra``: ``vocab_size``, ``block_size``, ``byte_level``), then loaded with the
-checkpoint's weights. Byte-level token files
+The model is built from the config the checkpoint holds and what its data told the model
+(``DataInfo.extra``: ``vocab_size``, ``block_size``, ``byte_level``, recorded in the checkpoint:
+nothing but the file is read, and nothing is written), then loaded with the checkpoint's
+weights. Byte-level token files
 take the prompt as text and print text (UTF-8, undecodable bytes replaced); other tokenizers
 take and print token ids. Sampling: temperature (0: greedy) and top-k, seeded by ``--seed``.
 """
@@ -24,7 +25,7 @@ from torch import nn
 
 from ddp_template.checkpoint import load as load_checkpoint
 from ddp_template.checkpoint import whole
-from ddp_template.data.contract import DataInfo
+from ddp_template.data.contract import DataInfo, DataRecord
 from ddp_template.errors import ConfigError, command
 from ddp_template.models import build_model
 from ddp_template.splits import build_splits
@@ -62,14 +63,17 @@ def generate(
 
 def load_model(ckpt: Path) -> tuple[nn.Module, DataInfo]:
     """The model of ``ckpt``'s run with its weights (eval mode) and what its data told it:
-    the run's config is the one the checkpoint holds, its data rebuilt from it."""
+    the run's config and ``DataInfo`` are the ones the checkpoint holds."""
     if not ckpt.is_file():
         raise ConfigError(f"checkpoint {ckpt} does not exist; {FIX}.")
     payload = load_checkpoint(ckpt, fix=FIX)
     if ("model" not in payload and "slices" not in payload) or not payload.get("config"):
         raise ConfigError(f"checkpoint {ckpt} holds no model weights or no config; {FIX}.")
     cfg = OmegaConf.create(payload["config"])
-    info = build_splits(cfg.data).info
+    # What the data told the model, as the run recorded it: the checkpoint alone, no data (a
+    # checkpoint written before the record: its data rebuilt from the run's config).
+    recorded = payload.get("data_info")
+    info = DataRecord.read(recorded) if recorded is not None else build_splits(cfg.data).info
     if "vocab_size" not in info.extra:
         raise ConfigError(
             f"the run of {ckpt} trained on data._target_={cfg.data.get('_target_')}, whose "
