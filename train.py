@@ -208,6 +208,9 @@ def checkpointer(
         config_yaml=yaml,
         info=tr.info,
         seal=chain.seal,
+        before_publish=lambda p: fault_injection.maybe_fire(
+            cfg.fault, p["progress"]["step"], tr.info.rank, "write"
+        ),
     )
 
 
@@ -300,6 +303,8 @@ def fit(
             state.epoch, state.position, state.prior = epoch + 1, 0, []
             copies = selection.copies(selection.observe(metrics, epoch))
             saved = ckpt.save(epochs_done=state.epoch, copies=copies)
+            if cfg.logger.log_checkpoints != "none":
+                ckpt.wait()  # an artifact of the file published (checkpoint.async_save)
             for kind, path in {"last": saved.last, **saved.copies}.items():
                 logger.log_checkpoint(
                     path,
@@ -317,6 +322,7 @@ def fit(
     finally:
         profiler.close()
         preempt.close(broken=broken)
+        ckpt.close(broken=broken)  # checkpoint.async_save: the write in flight published
     return built.evaluation.at_end(state.epoch, state.step, logger)
 
 
