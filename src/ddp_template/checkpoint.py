@@ -107,6 +107,8 @@ class _InFlight:
 
     def _run(self, publish: Callable[[], None]) -> None:
         try:
+            if WRITER_NICE and hasattr(os, "setpriority"):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
             publish()
         except BaseException as exc:  # met by the next wait, on the training thread
             self.errors.append(exc)
@@ -119,6 +121,11 @@ class _InFlight:
         if self.errors:
             raise self.errors[0]
 
+
+# The writer thread's niceness (Linux: per thread; 0: as training's). A nicer writer yields the
+# cores to training when they are contended; not measurably better on the 2-core machine of
+# benchmarks/async_checkpoint_results.md, so off.
+WRITER_NICE = 0
 
 # At most one save in flight per process (a live regroup builds a new Checkpointer: its first
 # save still waits for the last one's).
