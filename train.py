@@ -4,10 +4,9 @@
     python train.py dist.nproc=2                      # two ranks, started in-process
     torchrun --standalone --nproc-per-node=2 train.py # two ranks under torchrun
 
-The recipe is the classic one — init the process group, deal each rank its share with a distributed
-sampler, wrap the model in DDP, loop over epochs calling ``set_epoch`` — and each step is one
-builder from ``src/ddp_template`` named after the config group it reads. docs/ARCHITECTURE.md
-maps the modules.
+The classic recipe — init the process group, deal each rank its share with a distributed
+sampler, wrap the model in DDP, loop over epochs calling ``set_epoch`` — each step one builder
+named after the config group it reads (docs/ARCHITECTURE.md maps them).
 """
 
 from __future__ import annotations
@@ -194,6 +193,9 @@ def checkpointer(s: Session) -> Checkpointer:
         config_yaml=OmegaConf.to_yaml(s.plain),
         info=tr.info,
         seal=s.chain.seal,
+        before_publish=lambda p: fault_injection.maybe_fire(  # fault.phase=write (tests)
+            s.cfg.fault, p["progress"]["step"], tr.info.rank, "write"
+        ),
     )
 
 
@@ -229,7 +231,7 @@ def fit(s: Session) -> EvalResult:
     )
     profiler = StepProfiler(cfg=cfg.profiler, run_dir=s.run.run_dir, info=tr.info)
     on_step = step_hook(s, preempt, profiler)
-    with preempt, profiler:  # closed on every path (a failed collective's agreement: unread)
+    with ckpt, preempt, profiler:  # closed on every path: the agreement, then a save in flight
         for epoch in range(state.epoch, cfg.epochs):
             if s.built.selection.stops_before(epoch):
                 break
@@ -248,6 +250,8 @@ def fit(s: Session) -> EvalResult:
             state.epoch, state.position, state.prior = epoch + 1, 0, []
             copies = s.built.selection.copies(s.built.selection.observe(metrics, epoch))
             saved = ckpt.save(epochs_done=state.epoch, copies=copies)
+            if cfg.logger.log_checkpoints != "none":
+                ckpt.wait()  # an artifact of the file published (checkpoint.async_save)
             at: dict[str, Any] = {"step": state.step, "epoch": epoch, "metrics": metrics}
             for kind, path in {"last": saved.last, **saved.copies}.items():
                 logger.log_checkpoint(path, kind=kind, slices=saved.slices, **at)

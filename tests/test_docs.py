@@ -42,10 +42,15 @@ def test_it_runs_from_the_repository_root() -> None:
 
 @pytest.fixture
 def copy(tmp_path: Path) -> Path:
-    """README.md, docs/ and conf/ in a folder of their own: what --root reads."""
-    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
-    shutil.copytree(ROOT / "docs", tmp_path / "docs")
-    shutil.copytree(ROOT / "conf", tmp_path / "conf")
+    """The repository's tracked files in a folder of their own: what --root reads (README.md,
+    docs/ and conf/, and every file a doc links to)."""
+    listed = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    for name in listed:
+        if (ROOT / name).is_file():
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / name, tmp_path / name)
     return tmp_path
 
 

@@ -15,6 +15,13 @@ through torch.distributed.checkpoint (DCP) instead: one file per rank in
 ``slices/<name>/``, written to ``<name>.tmp`` and renamed once every rank's is in place, and
 the ``.pt`` file names that directory (``"slices"``). DCP lays them out again on load, at this
 run's world size, whatever it was at save. A directory no checkpoint names is deleted.
+
+``checkpoint.async_save=true``: ``save`` copies every part to CPU memory at the step boundary
+(pinned on CUDA; DCP's own stager, its buffers reused from save to save), the sliced parts
+through ``dcp.async_save`` on a gloo group of its own, and returns; rank 0's writer thread then
+writes and publishes the files in the same order and the same atomic way while training goes
+on. One save is in flight at most: the next ``save`` waits for it, and so does ``close`` (the
+end of ``fit``, a preemption stop, an exception).
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ import logging
 import os
 import re
 import shutil
+import threading
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -34,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ddp_template.config.schema import CheckpointConfig
 from ddp_template.distributed import DistInfo, broadcast_object, gather_objects
@@ -56,20 +66,77 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> None: ...  # what its state_dict returned
 
 
-def save_atomic(payload: dict[str, Any], path: Path) -> None:
-    """Write to ``<path>.tmp``, fsync, then rename over ``path`` (atomic on POSIX)."""
+Hook = Callable[[dict[str, Any]], None]
+
+
+def save_atomic(payload: dict[str, Any], path: Path, written: Hook | None = None) -> None:
+    """Write to ``<path>.tmp``, fsync, then rename over ``path`` (atomic on POSIX);
+    ``written(payload)`` runs between the two (a test's fault: ``fault.phase=write``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         torch.save(payload, f)
         f.flush()
         os.fsync(f.fileno())
+    if written is not None:
+        written(payload)
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)  # make the rename itself durable
+
+
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)  # make the rename itself durable
+        os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+class _InFlight:
+    """The one asynchronous save of this process still being written: this rank's DCP write
+    (``slices``) and rank 0's publication (``thread``), with the error either met."""
+
+    def __init__(self, slices: Future | None, publish: Callable[[], None] | None) -> None:
+        self.slices, self.errors = slices, list[BaseException]()
+        self.thread = None
+        if publish is not None:
+            self.thread = threading.Thread(
+                target=self._run, args=(publish,), name="checkpoint-writer", daemon=True
+            )
+            self.thread.start()
+
+    def _run(self, publish: Callable[[], None]) -> None:
+        try:
+            if WRITER_NICE and hasattr(os, "setpriority"):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+            publish()
+        except BaseException as exc:  # met by the next wait, on the training thread
+            self.errors.append(exc)
+
+    def wait(self) -> None:
+        if self.slices is not None:
+            self.slices.result()
+        if self.thread is not None:
+            self.thread.join()
+        if self.errors:
+            raise self.errors[0]
+
+
+# The writer thread's niceness (Linux: per thread; 0: as training's). A nicer writer yields the
+# cores to training when they are contended; not measurably better on the 2-core machine of
+# benchmarks/async_checkpoint_results.md, so off.
+WRITER_NICE = 0
+
+# At most one save in flight per process (a live regroup builds a new Checkpointer: its first
+# save still waits for the last one's).
+_IN_FLIGHT: list[_InFlight] = []
+
+
+def wait_in_flight() -> None:
+    """Return once this process's asynchronous save (if any) is written and published; its
+    error (disk full, …) is raised here."""
+    while _IN_FLIGHT:
+        _IN_FLIGHT.pop().wait()
 
 
 RESUME_FIX = "pass another file with resume=<path>, or resume=never to start fresh"
@@ -168,7 +235,11 @@ class Checkpointer:
     info: DistInfo
     # The checkpoint's provenance chain, made from the rest of its payload (provenance.Chain).
     seal: Callable[[dict[str, Any]], Any] | None = None
+    # Rank 0, between writing last.pt's temporary file and publishing it (fault.phase=write).
+    before_publish: Hook | None = None
     _named: dict[str, str | None] | None = None  # each checkpoint file's slices, once read
+    _stager: DefaultStager | None = None  # checkpoint.async_save: the CPU copies, reused
+    _group: Any = None  # checkpoint.async_save with sliced parts: DCP's own gloo group
 
     def payload(self, ranks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """What a checkpoint holds; ``ranks``: every rank's parts, already gathered (a live
@@ -205,24 +276,107 @@ class Checkpointer:
         if path is None:
             return Saved(None, {})
         written = {Path(name).stem: self.directory / name for name in copies}
+        if self.cfg.async_save:
+            return self._save_async(path, written, epochs_done)
         payload = self.payload()
         slices = None
         if self.sliced:
             payload["slices"] = self._save_slices()
             slices = slices_of(path, payload)
         if self.info.is_main:
-            kept = epochs_done is not None and self.cfg.keep > 0
-            files = [path, *written.values()]
-            files += [self.directory / f"epoch_{epochs_done}.pt"] if kept else []
-            for file in files:
-                save_atomic(payload, file)
-            if kept:
-                self._prune()
-            if self.sliced:
-                self._prune_slices(payload["slices"], files)
+            self._publish(payload, path, written, epochs_done)
         if self.info.distributed:
             dist.barrier()  # nobody runs ahead (or exits) before the file is in place
         return Saved(path, written, slices)
+
+    def _publish(
+        self, payload: dict[str, Any], path: Path, written: dict[str, Path], epochs_done: int | None
+    ) -> None:
+        """Rank 0: every file of one checkpoint written atomically, then the old ones pruned."""
+        kept = epochs_done is not None and self.cfg.keep > 0
+        files = [path, *written.values()]
+        files += [self.directory / f"epoch_{epochs_done}.pt"] if kept else []
+        for k, file in enumerate(files):
+            save_atomic(payload, file, self.before_publish if k == 0 else None)
+        if kept:
+            self._prune()
+        if self.sliced:
+            self._prune_slices(payload["slices"], files)
+
+    def _save_async(self, path: Path, written: dict[str, Path], epochs_done: int | None) -> Saved:
+        """checkpoint.async_save: the state of this step copied to CPU memory (a collective, as
+        the synchronous save), then written and published by rank 0's thread (and each rank's
+        DCP thread) while training goes on."""
+        wait_in_flight()  # one in flight at most: the last one is published first
+        if self._stager is None:
+            cuda = self.info.device.type == "cuda"
+            self._stager = DefaultStager(StagingOptions(cuda, False, False, False))
+        payload = self.payload()
+        slices = future = None
+        if self.sliced:
+            name = broadcast_object(uuid.uuid4().hex[:12] if self.info.is_main else None, self.info)
+            payload["slices"] = name
+            slices = slices_of(path, payload)
+            future = self._slices_async(slices.with_name(name + ".tmp"))
+        publish = None
+        if self.info.is_main:
+            staged = self._stager.stage(payload)  # deep copies: nothing later leaks in
+            assert isinstance(staged, dict)  # use_async_staging off: staged here, now
+
+            def publish() -> None:
+                if future is not None and slices is not None:
+                    future.result()  # every rank's slices, then the metadata, written
+                    os.replace(slices.with_name(slices.name + ".tmp"), slices)
+                    _fsync_dir(slices.parent)
+                self._publish(staged, path, written, epochs_done)
+
+        _IN_FLIGHT.append(_InFlight(future, publish))
+        return Saved(path, written, slices)
+
+    def _slices_async(self, tmp: Path) -> Future:
+        """Every rank's slices staged to CPU now, written by DCP's thread into ``tmp``."""
+        if self._group is None and self.info.distributed:  # a collective: every rank, once
+            self._group = dist.new_group(backend="gloo")  # not the training's group
+        state = {n: part.state_dict() for n, part in self.sliced.items()}
+        future = dcp.async_save(
+            state,
+            checkpoint_id=tmp,
+            process_group=self._group,
+            async_stager=self._stager,
+            no_dist=not self.info.distributed,
+        )
+        assert isinstance(future, Future)
+        return future
+
+    def wait(self) -> None:
+        """The save in flight (checkpoint.async_save) written and published, on this rank."""
+        wait_in_flight()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        self.close(broken=isinstance(exc, Exception))  # a failed collective: no barrier
+
+    def close(self, *, broken: bool = False) -> None:
+        """The end of training (the loop's end, a preemption stop, an exception): the save in
+        flight written and published, then (a clean end) every rank past that point together.
+        After a failed collective (``broken``) a write of slices is dropped (it needs every
+        rank's DCP thread; the next launch deletes its directory); rank 0's file is finished."""
+        if not self.cfg.async_save:
+            return
+        if broken and self.sliced:
+            log.warning("a checkpoint write in flight was dropped: the ranks' group broke")
+            _IN_FLIGHT.clear()
+        else:
+            try:
+                wait_in_flight()
+            except Exception:
+                if not broken:
+                    raise
+                log.exception("the checkpoint write in flight failed")
+        if not broken and self.info.distributed:
+            dist.barrier()  # nobody exits before the file is in place
 
     def _save_slices(self) -> str:
         """Every rank's slices into a new DCP directory (a collective); its name."""

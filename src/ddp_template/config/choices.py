@@ -138,12 +138,14 @@ class Tolerance(Choice):
 class FaultPhase(Choice):
     """Where an injected fault strikes: after the optimizer step, inside the step's gradient
     all-reduce (the DDP communication hook of the step), as the epoch's evaluation starts (at
-    its last step), or as the step's checkpoint starts."""
+    its last step), as the step's checkpoint starts, or inside its write (rank 0, the temporary
+    file written, not yet published: under ``checkpoint.async_save`` in the background)."""
 
     step = "step"
     allreduce = "allreduce"
     evaluation = "evaluation"
     checkpoint = "checkpoint"
+    write = "write"
 
 
 class GlobalBatch(Choice):

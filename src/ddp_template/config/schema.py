@@ -190,6 +190,9 @@ class CheckpointConfig:
     every_steps: int = 0  # also save every N optimizer steps (0: at epoch ends only)
     keep: int = 0  # keep this many epoch_<k>.pt files besides last.pt (0: none)
     enabled: bool = True
+    # Copy the state to CPU memory at the step boundary and write it in a background thread
+    # while training goes on (``async`` is Python's keyword): one save in flight at most.
+    async_save: bool = False
     # Steps between the (asynchronous) all-reduces that let all ranks agree on a preemption
     # signal: a signal stops the run within 2x this many steps, or at the epoch end.
     preempt_check_every: int = 10

@@ -12,6 +12,10 @@ checkpointing every 7:
   the uninterrupted run's;
 - the finished run's checkpoint evaluated at 1 and 3 ranks: the 2-rank numbers on 97 test
   windows (a count 2 and 3 do not divide: the ranks run different numbers of batches);
+- checkpoint.async_save: rank 0 SIGKILLed inside the background write of step 14's checkpoint
+  (its slices written and renamed, last.pt's temporary file not yet published): resumed from
+  step 7's at 2 ranks, the uninterrupted synchronous run's weights bit for bit; at 3 ranks,
+  every window of the epoch once;
 - finetune.init_from across layouts, both ways, and `export` of the sliced weights;
 - the default job with syncbn=on under HSDP (parallel.replicate=2) equal to DDP's, and
   compiled (compile=true) under FSDP2 ending on DDP's numbers.
@@ -134,6 +138,35 @@ def test_a_rank_killed_mid_epoch_resumes_bit_identical(runs) -> None:
         assert ref.keys() == resumed.keys() and len(ref) > 10, keys
         different = [k for k in ref if not torch.equal(ref[k], resumed[k])]
         assert not different, f"{keys}: {different}"
+
+
+ASYNC = "checkpoint.async_save=true"
+WRITE_KILL = ["fault.crash_at_step=14", "fault.rank=0", "fault.signal=SIGKILL", "fault.phase=write"]
+
+
+def test_async_saves_killed_inside_a_write_resume_from_the_previous_one(runs) -> None:
+    out, data = runs
+    proc = launch(out, data, "acut", FSDP2, "dist.nproc=2", ASYNC, *WRITE_KILL, check=False)
+    assert_killed_rank_reported(proc, rank=0, sig="SIGKILL")
+    ckpts = out / "outputs/acut/checkpoints"
+    payload = load(ckpts / "last.pt")
+    assert payload["progress"]["step"] == 7 and (ckpts / "last.pt.tmp").is_file()
+    # step 14's slices complete, published as a directory no checkpoint names yet
+    assert len(list((ckpts / "slices").iterdir())) == 2
+    shutil.copytree(out / "outputs/acut", out / "outputs/athree")
+    proc = launch(out, data, "acut", FSDP2, "dist.nproc=2", ASYNC)
+    assert "resume: continues run acut, link 0 → 1 at step 7: 0 samples skipped" in proc.stdout
+    for keys in (("model",), ("optimizer",), ("ema", "model")):
+        ref, resumed = weights(out / "outputs/fsdp2", *keys), weights(out / "outputs/acut", *keys)
+        assert ref.keys() == resumed.keys() and len(ref) > 10, keys
+        assert [k for k in ref if not torch.equal(ref[k], resumed[k])] == [], keys
+    (kept,) = (ckpts / "slices").iterdir()  # the orphan and the older ones pruned
+    assert kept.name == load(ckpts / "last.pt")["slices"]
+    proc = launch(out, data, "athree", FSDP2, "dist.nproc=3", ASYNC)
+    assert "world size 2 → 3 at step 7" in proc.stdout
+    assert verdicts(out / "outputs/athree") == [(1, TRAIN_WINDOWS)]
+    seen = replayed_epoch(out / "outputs/athree", epoch=0)
+    assert len(seen) == TRAIN_WINDOWS and set(seen.values()) == {1}
 
 
 @pytest.mark.parametrize(("world", "batch"), [(3, "batch_size 6 → 4"), (1, "accumulate 2 → 4")])

@@ -1,0 +1,147 @@
+"""checkpoint.async_save: the state of step S written while training goes on, nothing later
+leaking in, published atomically, and a kill inside the write costs only that checkpoint.
+
+- in one process: ``save`` returns while the writer is held inside the write (last.pt still the
+  previous checkpoint), the model changes after it, and the file published holds step S's state;
+- the default job on 2 ranks: rank 0 SIGKILLed inside the background write of step 15's
+  checkpoint (``fault.phase=write``: its temporary file written, not published; decided by the
+  write's state, not by time); the run resumes from the previous complete checkpoint (step 12,
+  epoch 0's end) and ends bit-identical to the uninterrupted run with async off; the interrupted
+  write's ``last.pt.tmp`` is never read;
+- experiment=lm_bytes (small) with async on and off: the same final weights.
+(Under FSDP2 with DCP slices: tests/optional/fsdp2/test_fsdp2_runs.py.)
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+from helpers import assert_killed_rank_reported, cpu_rank, run, run_env, train_cmd
+
+from ddp_template.checkpoint import Checkpointer, load, wait_in_flight
+from ddp_template.config.schema import CheckpointConfig
+
+
+class Held:
+    """A plain state_dict part."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state)
+
+
+def test_save_returns_during_the_write_and_nothing_later_leaks_in(tmp_path: Path) -> None:
+    model = torch.nn.Linear(64, 64)
+    inside, release = threading.Event(), threading.Event()
+    held = {"on": False}
+
+    def hold(payload: dict) -> None:
+        if held["on"]:
+            inside.set()
+            assert release.wait(30)
+
+    ckpt = Checkpointer(
+        directory=tmp_path,
+        cfg=CheckpointConfig(async_save=True),
+        parts={"model": Held(model)},
+        config_yaml="",
+        info=cpu_rank(),
+        before_publish=hold,
+    )
+    ckpt.save()  # step "1"
+    ckpt.wait()  # published
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    second = {k: v.clone() for k, v in model.state_dict().items()}
+    held["on"] = True
+    ckpt.save()  # waits for the first, stages the second, returns with the writer held
+    assert inside.wait(30)
+    assert (tmp_path / "last.pt.tmp").is_file()  # written, not published
+    assert torch.equal(load(tmp_path / "last.pt")["model"]["weight"], first["weight"])
+    with torch.no_grad():  # the next step, while the write runs
+        model.weight.mul_(3.0)
+    release.set()
+    ckpt.close()
+    saved = load(tmp_path / "last.pt")["model"]
+    assert all(torch.equal(saved[k], second[k]) for k in second)
+    assert not (tmp_path / "last.pt.tmp").exists()
+    wait_in_flight()
+
+
+BASE = ["dist.nproc=2", "epochs=2", "checkpoint.every_steps=5", "data.val_fraction=0.5"]
+# digits, half of the training split validated: 719 / 2 ranks / batch 32 = 12 steps an epoch.
+KILL = [
+    "fault.crash_at_step=15",
+    "fault.rank=0",
+    "fault.signal=SIGKILL",
+    "fault.phase=write",
+]
+
+
+def final(run_dir: Path) -> dict[str, torch.Tensor]:
+    payload = load(run_dir / "checkpoints/last.pt")
+    return {**payload["model"], **{f"opt{k}": v for k, v in flat(payload["optimizer"])}}
+
+
+def flat(state: dict, prefix: str = ""):
+    for k, v in state.items():
+        if isinstance(v, dict):
+            yield from flat(v, f"{prefix}{k}.")
+        elif isinstance(v, torch.Tensor):
+            yield f"{prefix}{k}", v
+
+
+def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and a
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_a_kill_inside_the_background_write_resumes_from_the_previous_one(tmp_path: Path) -> None:
+    def launch(run_id: str, *overrides: str, check: bool = True):
+        cmd = train_cmd(tmp_path, *BASE, *overrides)
+        return run(cmd, env=run_env(RUN_ID=run_id), check=check)
+
+    launch("off")
+    proc = launch("cut", "checkpoint.async_save=true", *KILL, check=False)
+    assert_killed_rank_reported(proc, rank=0, sig="SIGKILL")
+    ckpts = tmp_path / "outputs/cut/checkpoints"
+    assert (ckpts / "last.pt.tmp").is_file()  # the write the kill landed in
+    assert load(ckpts / "last.pt")["progress"]["step"] == 12  # the previous one (epoch 0 end)
+    proc = launch("cut", "checkpoint.async_save=true")
+    assert "resumed from" in proc.stdout + proc.stderr
+    assert "at epoch 1, step 12" in (tmp_path / "outputs/cut/train.log").read_text()
+    assert "cannot be read" not in proc.stdout + proc.stderr
+    equal(final(tmp_path / "outputs/off"), final(tmp_path / "outputs/cut"))
+
+
+LM = [
+    "experiment=lm_bytes",
+    "logger=none",
+    "data.size=60000",
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "data.block_size=32",
+    "loader.batch_size=8",
+    "epochs=1",
+    "max_steps_per_epoch=12",
+    "checkpoint.every_steps=4",
+    "optim.warmup_steps=2",
+]
+
+
+def test_async_on_and_off_end_on_the_same_weights_on_lm_bytes(tmp_path: Path) -> None:
+    for run_id, flag in (("off", "false"), ("on", "true")):
+        cmd = train_cmd(
+            tmp_path, *LM, f"checkpoint.async_save={flag}", "paths.data_root=" + str(tmp_path)
+        )
+        run(cmd, env=run_env(RUN_ID=run_id))
+    equal(final(tmp_path / "outputs/off"), final(tmp_path / "outputs/on"))
