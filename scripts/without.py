@@ -7,6 +7,9 @@ tests there.
     python scripts/without.py --all            # only the case "all six at once"
     python scripts/without.py -- -m "not slow" # pytest's arguments after --
 
+Every case runs the default job, collects every remaining test module (each must still import),
+then runs pytest with the arguments given (none: the whole remaining suite).
+
 A folder's YAMLs are the ones under ``conf/`` that name its modules (a ``_target_``) or that a
 registry names by key (``parallel=fsdp2``, ``fault_tolerance=live``), and every
 YAML whose defaults list picks one of those (``experiment=lm_bytes`` picks ``data=corpus`` and
@@ -146,8 +149,16 @@ def run_case(folders: set[str], pytest_args: list[str], keep: bool) -> bool:
             print(f"without {name}: the default job failed (exit {job.returncode})")
             print(job.stderr[-3000:])
             return False
+        pytest = [PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-q"]
+        collected = subprocess.run(
+            [*pytest, "--collect-only", "tests"], cwd=copy, env=env, capture_output=True, text=True
+        )
+        if collected.returncode != 0:  # a remaining test module that no longer imports
+            print(f"without {name}: the remaining tests do not collect")
+            print(collected.stdout[-3000:])
+            return False
         tests = subprocess.run(
-            [PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-q", *pytest_args],
+            [*pytest, *pytest_args],
             cwd=copy,
             env=env,
             capture_output=True,

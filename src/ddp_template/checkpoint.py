@@ -50,7 +50,7 @@ from ddp_template.distributed import DistInfo, broadcast_object, gather_objects
 from ddp_template.errors import ConfigError
 
 log = logging.getLogger("ddp_template")
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4  # 4: stretch_steps, the data_info part
 # the file's keys besides parts
 RECORD = ("format", "config", "world_size", "ranks", "chain", "slices")
 SLICES = "slices"  # the folder, beside the .pt files, of the sliced parts' DCP directories
