@@ -151,6 +151,7 @@ def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Bui
         amp_mode=amp_mode,
         task=task,
         lockstep=parallel.sliced,  # every forward a collective: every rank runs as many
+        every_steps=cfg.eval_every_steps,
     )
     selection = build_selection(cfg.selection, task)
     return Built(kind, data, trainer, splits, evaluation, selection, switches)
@@ -215,9 +216,8 @@ def resume(s: Session) -> str | None:
         log.info("%s", s.resize.describe())
     if s.resize is not None and s.resize.global_batch == "scale":  # the LR schedule: the rest
         rest = s.built.kind.steps(s.cfg, tr.sampler, steps_before=state.steps_before)
-        left = rest.steps_left(state.position)
         later = max(0, s.cfg.epochs - state.epoch - 1) * tr.steps.steps_per_epoch
-        set_horizon(tr.scheduler, state.step + left + later)
+        set_horizon(tr.scheduler, rest.horizon(state.step, state.position, later))
     skipped, repeated = continuity(tr.sampler, state, tr.info)  # else a refusal
     return s.chain.describe(link, state.step, skipped, repeated)
 
@@ -233,8 +233,8 @@ def fit(s: Session) -> EvalResult:
     on_step = step_hook(s, preempt, profiler)
     with ckpt, preempt, profiler:  # closed on every path: the agreement, then a save in flight
         for epoch in range(state.epoch, cfg.epochs):
-            if s.built.selection.stops_before(epoch):
-                break
+            if s.built.selection.stops_before(epoch) or tr.steps.ended(state.step, state.position):
+                break  # early stopping, or max_steps reached
             state.epoch, start = epoch, state.position
             set_epoch(s)
             logger.start_epoch(epoch, tr.steps.steps_left(state.position))
@@ -261,11 +261,12 @@ def fit(s: Session) -> EvalResult:
 
 
 def set_epoch(s: Session) -> None:
-    tr, epoch = s.built.trainer, s.state.epoch
-    tr.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-    tr.steps = s.built.kind.steps(s.cfg, tr.sampler, steps_before=s.state.steps_before)  # rest
-    s.built.splits.set_epoch(epoch)  # augmentation draws from (seed, epoch, index)
-    reseed_for_epoch(tr.loader, s.cfg.seed, tr.info.rank, epoch)
+    tr, state = s.built.trainer, s.state
+    tr.sampler.set_epoch(state.epoch)  # a new shuffle every epoch, the same on every rank
+    steps = s.built.kind.steps(s.cfg, tr.sampler, steps_before=state.steps_before)  # the rest
+    tr.steps = steps.from_step(state.step, state.position)  # where max_steps falls in it
+    s.built.splits.set_epoch(state.epoch)  # augmentation draws from (seed, epoch, index)
+    reseed_for_epoch(tr.loader, s.cfg.seed, tr.info.rank, state.epoch)
 
 
 def account(s: Session, stats: EpochStats, start: int) -> None:
@@ -284,8 +285,8 @@ def account(s: Session, stats: EpochStats, start: int) -> None:
 
 
 def step_hook(s: Session, preempt: Preemption, profiler: StepProfiler) -> StepHook:
-    """After every optimizer step: the switches, the logs (a spike's report), faults, a
-    replacement's admission (fault_tolerance=live), preemption, checkpoints."""
+    """After every optimizer step: the switches, logs (a spike's report), faults, a replacement's
+    admission (fault_tolerance=live), preemption, eval_every_steps' evaluation, checkpoints."""
     cfg, tr, ckpt, logger = s.cfg, s.built.trainer, s.ckpt, s.logger
     switches, rank, spikes = list(s.built.switches.values()), tr.info.rank, tr.spikes
     # A feed that shadows steps (a stream under torch's Join): the stop's checkpoint in fit.
@@ -301,7 +302,9 @@ def step_hook(s: Session, preempt: Preemption, profiler: StepProfiler) -> StepHo
         fault_injection.maybe_fire(cfg.fault, state.step, rank)
         s.tolerance.boundary(state.step)
         stop = preempt.requested(state.step)  # a signal on any rank stops all at one step
-        if (stop and save_on_stop) or ckpt.due(state.step):
+        ends = tr.steps.steps_left(state.position) == 0  # the epoch's end evaluates
+        evaluated = s.built.evaluation.at_step(state.epoch, state.step, ends, logger)
+        if (stop and save_on_stop) or ckpt.due(state.step) or evaluated:
             fault_injection.maybe_fire(cfg.fault, state.step, rank, "checkpoint")
             ckpt.save()
         return stop
@@ -322,10 +325,7 @@ def begin(s: Session) -> None:
     if s.resize:
         logger.log({f"elastic/{k}": v for k, v in s.resize.record().items()}, state.step)
     logger.log_sizes(s.built.splits, state.step)
-    global_batch = cfg.loader.batch_size * info.world_size * cfg.optim.accumulate
-    if info.is_main:
-        log.info("effective global batch %d (batch_size x world size x accumulate)", global_batch)
-        logger.log({"train/global_batch": global_batch}, state.step)
+    logger.log_global_batch(cfg.loader.batch_size, cfg.optim.accumulate, state.step)
     if cfg.share_picture and info.is_main and s.built.kind.pictured:
         s.picture = draw_shares_async(s.built.trainer.sampler, s.run.run_dir)
 

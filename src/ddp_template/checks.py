@@ -104,6 +104,14 @@ def _check_sizes(cfg: Config) -> None:
         f"max_steps_per_epoch={cfg.max_steps_per_epoch} must be >= 1 or null.",
     )
     require(
+        cfg.max_steps is None or cfg.max_steps >= 1,
+        f"max_steps={cfg.max_steps} must be >= 1 or null (null: the run's epochs decide).",
+    )
+    require(
+        cfg.eval_every_steps >= 0,
+        f"eval_every_steps={cfg.eval_every_steps} must be >= 0 (0: at epoch ends only).",
+    )
+    require(
         cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} must be positive; try optim.lr=0.1 for sgd."
     )
     require(

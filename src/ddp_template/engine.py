@@ -243,11 +243,12 @@ def _step(tr: Trainer, x: torch.Tensor, y: torch.Tensor, want_norm: bool) -> Ste
 def micro_batches(loader: Any, steps: EpochSteps, position: int, rank: int = 0) -> Iterator[tuple]:
     """The epoch's micro-batches from ``position`` (a step boundary), as ``(batch, weight,
     last)``: ``weight`` is the batch's share of its optimizer step's samples (``steps.weight``),
-    ``last`` ends the step. Stops after the epoch's last (possibly capped) step. Where
+    ``last`` ends the step. Stops after the epoch's last (possibly capped) step, or where the
+    run reaches ``max_steps`` (``steps.steps_in_epoch``). Where
     ``rank``'s list has ended (``sampler=exact``) the batch is empty, with weight 0."""
     it, previous = iter(loader), None
     size = steps.batch_size
-    for k in range(steps.steps_done(position), steps.steps_per_epoch):
+    for k in range(steps.steps_done(position), steps.steps_in_epoch):
         start, stop = steps.span(k)
         n = -(-(stop - start) // size)
         for j in range(n):
@@ -274,7 +275,10 @@ class Meter:
         self.tr, self.stats = tr, stats
         self.loss = torch.zeros((), device=tr.info.device)  # sum of loss x batch size
         self.since, self.n, self.start = time.perf_counter(), 0, self.loss.clone()
-        self.began = time.perf_counter()
+        self.began, self.steps = (
+            time.perf_counter(),
+            0,
+        )  # steps: stats.steps at the interval's start
 
     def timed(self, batches: Iterator[tuple]) -> Iterator[tuple]:
         """``batches``, the wait for each added to ``data_wait_s``."""
@@ -298,10 +302,13 @@ class Meter:
             "train/lr": self.tr.scheduler.get_last_lr()[0],
             "train/grad_norm": float(norm) if norm is not None else float("nan"),
             "perf/interval_samples_per_s": self.n / (now - self.since),
+            "perf/interval_step_ms": 1e3
+            * (now - self.since)
+            / max(self.stats.steps - self.steps, 1),
         }
         if self.n:  # sampler=exact: a rank whose list has ended has no loss to report
             row["train/loss"] = ((self.loss - self.start) / self.n).item()
-        self.since, self.n = now, 0
+        self.since, self.n, self.steps = now, 0, self.stats.steps
         self.start.copy_(self.loss)
         return row
 

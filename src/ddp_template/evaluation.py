@@ -5,9 +5,9 @@ so a run on any number of ranks reports the single-process numbers. Where a forw
 collective (``parallel=fsdp2`` all-gathers each unit's parameters), every rank runs as many
 forwards as the rank with the most batches: the others' extra forwards are of empty batches,
 their outputs dropped. ``Evaluation`` is the epoch
-end's part of it: the validation split each epoch when there is one (else the test split), the
-EMA copy beside the model, and once at the end the split ``eval_split`` names (what
-summary.json reports).
+end's part of it: the validation split each epoch when there is one (else the test split), and
+every ``eval_every_steps`` optimizer steps, the EMA copy beside the model, and once at the end
+the split ``eval_split`` names (what summary.json reports).
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ class Evaluation:
     amp_mode: str
     task: Task
     lockstep: bool = False  # every forward a collective (FSDP2): every rank runs as many
+    every_steps: int = 0  # eval_every_steps: also every N optimizer steps (0: epoch ends only)
     last: EvalResult | None = None  # the latest epoch's, while the model has not changed since
     final_result: EvalResult | None = None  # at_end's
 
@@ -129,12 +130,27 @@ class Evaluation:
         """Evaluate the epoch's model (and EMA), log both; the metrics selection reads."""
         self.last = self._run(self.model, self.each_epoch)
         logger.log_eval(self.last, epoch, step, self.prefix)
+        self._ema(step, logger)
+        return self.last.metrics(self.prefix)
+
+    def at_step(self, epoch: int, step: int, ends_epoch: bool, logger: Any) -> bool:
+        """``eval_every_steps``: at every N-th optimizer step the model (and EMA) evaluated as
+        exactly as at an epoch's end and logged at the step, but not at an epoch's last step
+        (its end evaluates). True where it evaluated (the step hook checkpoints there too)."""
+        if not self.every_steps or step % self.every_steps or ends_epoch:
+            return False
+        result = self._run(self.model, self.each_epoch)
+        logger.log({**result.metrics(self.prefix), "epoch": epoch}, step)
+        log.info("step %d: %s %s", step, self.prefix, result.line)
+        self._ema(step, logger)
+        return True
+
+    def _ema(self, step: int, logger: Any) -> None:
         if self.ema is not None:  # the averaged weights, evaluated as exactly
             ema = self._run(self.ema.module, self.each_epoch)
             log.info("EMA %s %s", self.prefix, ema.line)
             named = {k.replace("/", "/ema_", 1): v for k, v in ema.metrics(self.prefix).items()}
             logger.log(named, step)
-        return self.last.metrics(self.prefix)
 
     def latest(self) -> EvalResult:
         """The split evaluated each epoch, as last evaluated (the sweep's objective); the final
@@ -167,6 +183,7 @@ def build_evaluation(
     amp_mode: str,
     task: Task,
     lockstep: bool,
+    every_steps: int = 0,
 ) -> Evaluation:
     """``eval_split``'s builder: ``loader`` makes an evaluation loader of a dataset."""
     each = VAL if splits.val is not None else TEST
@@ -182,4 +199,5 @@ def build_evaluation(
         amp_mode=amp_mode,
         task=task,
         lockstep=lockstep,
+        every_steps=every_steps,
     )

@@ -170,7 +170,7 @@ def _pieces(run: Run, stretches: list[dict[str, Any]]) -> list[Piece]:
             steps_before = sum(p["steps"] for p in prior)
             epoch_steps = EpochSteps.of_sampler(cfg, sampler, steps_before=steps_before)
             first_k = epoch_steps.steps_done(position)
-            steps = epoch_steps.steps_per_epoch - first_k
+            steps = epoch_steps.from_step(step - 1, position).steps_left(position)  # max_steps
             steps = steps if end is None else min(steps, end - step)
             if steps > 0:
                 piece = Piece(

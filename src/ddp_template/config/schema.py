@@ -163,6 +163,9 @@ class LoggerConfig:
     system_metrics: SystemMetrics = SystemMetrics.node  # node: local rank 0 of each node
     log_checkpoints: LogCheckpoints = LogCheckpoints.none
     straggler_alert: float | None = 1.5  # slowest rank's step time / fastest's; None: never
+    # Rank 0 also prints each log_every interval's row as a line: step, loss, lr, grad norm,
+    # samples/s and ms/step (its own numbers: no collective).
+    step_lines: bool = False
 
     def check(self) -> None:
         if self.per_rank_max < 1:
@@ -307,6 +310,12 @@ class Config:
     epochs: int = 10  # 0: evaluate the initial (or resumed) model without training
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     max_steps_per_epoch: int | None = None  # cap each epoch at this many steps (smoke runs)
+    # End the run after this many optimizer steps in all, mid-epoch if need be (the LR
+    # schedule's horizon with it); None: at the end of its epochs. Past their end: refused.
+    max_steps: int | None = None
+    # Also evaluate (exactly, as at an epoch's end) and checkpoint every N optimizer steps; 0:
+    # at epoch ends only. The epoch's end still evaluates, verifies and selects.
+    eval_every_steps: int = 0
     log_every: int = 10  # steps between interval logs
     resume: str = "auto"  # auto | never | <path to a checkpoint>
     share_report_max_n: int = 10_000_000  # ranks keep their indices for a mismatch's report

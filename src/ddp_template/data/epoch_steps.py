@@ -4,7 +4,9 @@ Every rank runs the same number of steps per epoch: its list has L positions (th
 mode's length), the DataLoader cuts it into micro-batches of B (the last one short, or dropped
 with ``sampler.drop_last_batch``), an optimizer step takes the next A of them
 (``optim.accumulate``; an epoch whose micro-batch count is not a multiple of A ends with one
-step of the micro-batches left), and ``max_steps_per_epoch`` caps the steps. Steps are numbered
+step of the micro-batches left), and ``max_steps_per_epoch`` caps the steps. The run's
+``max_steps`` ends it after that many steps in all: the epoch it falls in stops there, mid-way,
+a prefix of every rank's list read as a capped epoch's is (``steps_in_epoch``). Steps are numbered
 as the logs number them: the run's first optimizer step is step 1, and step S is step
 ``(S - 1) mod K`` of epoch ``(S - 1) div K`` for K steps per epoch. A resumed run continues at
 the exact position it stopped at, so a resume never changes which batch belongs to which step.
@@ -20,12 +22,13 @@ incomplete global batch is dropped, as one process with W times the batch would 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import numpy as np
 
 from ddp_template.data.contract import Sampler
+from ddp_template.errors import ConfigError
 
 _Steps = TypeVar("_Steps", bound="EpochSteps")
 
@@ -54,6 +57,9 @@ class EpochSteps:
     accumulate: int = 1  # A: micro-batches per optimizer step
     # Every rank's list length (ShareSampler.rank_lengths); () counts one rank of `length`.
     rank_lengths: tuple[int, ...] = ()
+    max_steps: int | None = None  # the run's last step (``max_steps``); None: its epochs' end
+    start_step: int = 0  # the run's steps before position 0 of this epoch (``from_step``)
+    exact: ClassVar[bool] = True  # steps_per_epoch is known, not estimated (a stream's is)
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -72,9 +78,11 @@ class EpochSteps:
         the run's ``Config``, ``length`` its sampler's positions per rank (the longest list),
         ``rank_lengths`` each rank's own where they differ (``sampler=exact``). The rest of an
         epoch resumed at another world size has its own (``length`` of the rest's lists), capped
-        at what ``max_steps_per_epoch`` leaves after the ``steps_before`` it ran already."""
+        at what ``max_steps_per_epoch`` leaves after the ``steps_before`` it ran already.
+        A ``max_steps`` past the end of the run's epochs is refused (a whole epoch's arithmetic:
+        ``steps_before`` 0, exact steps, epochs to train)."""
         cap = cfg.max_steps_per_epoch
-        return cls(
+        steps = cls(
             length=length,
             rank_lengths=rank_lengths,
             batch_size=cfg.loader.batch_size,
@@ -82,7 +90,26 @@ class EpochSteps:
             max_steps_per_epoch=None if cap is None else max(0, cap - steps_before),
             drop_last_batch=cfg.sampler.drop_last_batch,
             accumulate=cfg.optim.accumulate,
+            max_steps=cfg.max_steps,
         )
+        if steps_before == 0 and steps.exact and steps.epochs:
+            steps.check_reach()
+        return steps
+
+    def check_reach(self) -> None:
+        """Refuse a ``max_steps`` the run's epochs end before (one sentence)."""
+        k, total = self.steps_per_epoch, self.epochs * self.steps_per_epoch
+        if self.max_steps is not None and self.max_steps > total:
+            raise ConfigError(
+                f"max_steps={self.max_steps} is past the run's last step: epochs={self.epochs} "
+                f"of {k} steps end at step {total}; set epochs={-(-self.max_steps // max(k, 1))} "
+                f"(or more: the run still ends at max_steps), or a smaller max_steps."
+            )
+
+    def from_step(self: _Steps, step: int, position: int) -> _Steps:
+        """This epoch's steps for a run at ``step`` with ``position`` of the epoch read (a step
+        boundary): where the run's ``max_steps`` falls in it (``steps_in_epoch``)."""
+        return replace(self, start_step=step - self.steps_done(position))
 
     @classmethod
     def of_sampler(
@@ -112,6 +139,22 @@ class EpochSteps:
         return steps if cap is None else min(steps, cap)
 
     @property
+    def steps_in_epoch(self) -> int:
+        """The steps this epoch runs: K, fewer in the epoch where the run reaches ``max_steps``
+        (none after it)."""
+        if self.max_steps is None:
+            return self.steps_per_epoch
+        return max(0, min(self.steps_per_epoch, self.max_steps - self.start_step))
+
+    @property
+    def cap(self) -> int | None:
+        """The most steps this epoch may run where its length is not known before it ends (a
+        stream's): ``max_steps_per_epoch``'s cap and what ``max_steps`` leaves the run."""
+        left = None if self.max_steps is None else max(0, self.max_steps - self.start_step)
+        caps = [c for c in (self.max_steps_per_epoch, left) if c is not None]
+        return min(caps) if caps else None
+
+    @property
     def step_size(self) -> int:
         """Positions a full optimizer step consumes per rank: A x B."""
         return self.accumulate * self.batch_size
@@ -124,8 +167,20 @@ class EpochSteps:
         return position // self.step_size
 
     def steps_left(self, position: int) -> int:
-        """Optimizer steps the epoch runs from ``position`` (after any cap)."""
-        return self.steps_per_epoch - self.steps_done(position)
+        """Optimizer steps the epoch runs from ``position`` (after any cap and ``max_steps``)."""
+        return max(0, self.steps_in_epoch - self.steps_done(position))
+
+    def ended(self, step: int, position: int) -> bool:
+        """Whether the run has taken its ``max_steps`` by ``step`` and the epoch they ended in
+        has met its end (``position`` 0: the next epoch's start)."""
+        return self.max_steps is not None and step >= self.max_steps and position == 0
+
+    def horizon(self, step: int, position: int, later: int) -> int:
+        """The run's last step as seen at ``step`` with ``position`` of this epoch read: the
+        epoch's steps left, ``later`` steps of the epochs after it, no further than
+        ``max_steps`` (the LR schedule's horizon, re-derived)."""
+        end = step + self.steps_per_epoch - self.steps_done(position) + later
+        return end if self.max_steps is None else min(end, self.max_steps)
 
     def span(self, k: int) -> tuple[int, int]:
         """The positions [start, stop) that step ``k`` (0-based, within an epoch) reads."""
@@ -152,7 +207,9 @@ class EpochSteps:
 
     @property
     def total_steps(self) -> int:
-        return self.epochs * self.steps_per_epoch
+        """The run's steps: its epochs', or ``max_steps`` where that comes first."""
+        total = self.epochs * self.steps_per_epoch
+        return total if self.max_steps is None else min(total, self.max_steps)
 
     @property
     def consumed_per_epoch(self) -> int:

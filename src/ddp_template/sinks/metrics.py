@@ -170,6 +170,13 @@ class RankLogger:
             sizes = split_sizes(splits) | {"world_size": self.info.world_size}
             self.log({f"data/{k}": v for k, v in sizes.items()}, step)
 
+    def log_global_batch(self, batch_size: int, accumulate: int, step: int) -> None:
+        """Rank 0 says and records the effective global batch once."""
+        if self.info.is_main:
+            n = batch_size * self.info.world_size * accumulate
+            log.info("effective global batch %d (batch_size x world size x accumulate)", n)
+            self.log({"train/global_batch": n}, step)
+
     def start_epoch(self, epoch: int, total: int) -> None:
         """Rank 0's progress bar (epoch, step, samples/s, loss); other ranks stay quiet."""
         if self.info.is_main:
@@ -192,6 +199,8 @@ class RankLogger:
 
     def log_interval(self, metrics: dict[str, Any], step: int) -> None:
         self.log(metrics, step)
+        if self.cfg.step_lines and self.info.is_main:  # logger.step_lines
+            log.info("%s", step_line(metrics, step))
         if self.bar is not None:
             self.bar.set_postfix(
                 step=step,
@@ -343,6 +352,17 @@ class RankLogger:
         if self.wandb is not None:
             self.wandb.finish(exit_code=exit_code)
             self._wandb = None
+
+
+def step_line(metrics: dict[str, Any], step: int) -> str:
+    """An interval's row as one line, as nanoGPT prints its ``iter`` lines: this rank's loss
+    and samples/s over the interval, the LR and grad norm at its last step, its ms per step."""
+    return (
+        f"step {step}: loss {metrics.get('train/loss', float('nan')):.4f}, "
+        f"lr {metrics['train/lr']:.3e}, grad norm {metrics['train/grad_norm']:.3f}, "
+        f"{metrics['perf/interval_samples_per_s']:.0f} samples/s, "
+        f"{metrics['perf/interval_step_ms']:.1f} ms/step"
+    )
 
 
 def table_rows(lines: Sequence[RankLine | WorkerLine | PriorLine]) -> list[dict[str, Any]]:

@@ -61,10 +61,10 @@ class Joined:
 
     def micro_batches(self, tr: Any, position: int) -> Iterator[tuple[tuple, float, bool]]:
         """Every batch of this rank's stream as ``((x, y, keys, worker), 1.0, True)`` (one a
-        step), up to ``max_steps_per_epoch``."""
+        step), up to ``max_steps_per_epoch`` (and the run's ``max_steps``)."""
         self.unread = [(0, []) for _ in range(self.workers)]
         loader, steps = tr.loader, tr.steps
-        it, k, cap = iter(loader), steps.steps_done(position), steps.max_steps_per_epoch
+        it, k, cap = iter(loader), steps.steps_done(position), steps.cap
         while cap is None or k < cap:
             batch = next(it, None)
             if batch is None:

@@ -34,6 +34,8 @@ class StreamSteps(EpochSteps):
     a position is simply the micro-batch slots consumed; ``steps_per_epoch`` is the estimate
     the LR schedule and the progress bar read."""
 
+    exact: ClassVar[bool] = False  # an estimate: a max_steps past it is not refused
+
     def steps_done(self, position: int) -> int:
         return position // self.step_size
 
@@ -63,10 +65,11 @@ class Agreement:
 
     def micro_batches(self, tr: Any, position: int) -> Iterator[tuple[tuple, float, bool]]:
         """The epoch's micro-batches as ``((x, y, keys, worker), weight, last)`` while every
-        rank has a whole step of them, up to ``max_steps_per_epoch``."""
+        rank has a whole step of them, up to ``max_steps_per_epoch`` (and the run's
+        ``max_steps``)."""
         self.unread = [(0, []) for _ in range(self.workers)]
         loader, steps = tr.loader, tr.steps
-        it, k, cap = iter(loader), steps.steps_done(position), steps.max_steps_per_epoch
+        it, k, cap = iter(loader), steps.steps_done(position), steps.cap
         step = _take(it, steps.accumulate)
         agreed = self._agree(step, steps.accumulate)
         while cap is None or k < cap:
