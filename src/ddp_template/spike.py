@@ -2,7 +2,8 @@
 
 The rule (``spike``), on every rank, about its own part of the step, for each signal it
 watches (``spike.watch``): the signal above ``factor`` x the median of its last ``window``
-steps, once ``after`` steps are in the window; a NaN or infinite one always. The signals:
+steps, once ``after`` steps are in the window (the input's: one); a NaN or infinite one
+always. The signals:
 ``loss``, the rank's loss over its samples of the step; ``grad_norm``, the norm of the step's
 gradient as the optimizer is about to apply it (DDP has averaged it over the ranks: every rank
 sees the same norm; FSDP2: the rank's shard); ``input``, the largest RMS of one sample's input
@@ -318,14 +319,16 @@ class Spikes:
 
     def _breaks(self, signal: str, values: dict[str, float]) -> bool:
         """Whether ``signal``'s value breaks the rule: above ``factor`` x its window's median
-        (once ``after`` steps are in it), or not finite."""
+        (once ``after`` steps are in it: the first steps' loss and gradient are noisy; the
+        input's from the second step on), or not finite."""
         value = values[signal]
         if not math.isfinite(value):
             return True
         factor = self.cfg.factor
         assert factor is not None  # build_spikes builds none with spike.factor=null
         window = self.windows[signal]
-        return len(window) >= self.cfg.after and value > factor * statistics.median(window)
+        after = 1 if signal == "input" else self.cfg.after  # training does not move the data
+        return len(window) >= after and value > factor * statistics.median(window)
 
     def shadow(self, step: int, epoch: int) -> None:
         """A rank whose stream ended (under torch's Join) meets the others' collectives of the

@@ -125,7 +125,9 @@ class SpikeConfig:
     # sample's input (what a poisoned sample moves when BatchNorm hides its loss).
     watch: list[str] = field(default_factory=lambda: ["loss", "grad_norm", "input"])
     window: int = 50  # steps whose median loss is the reference
-    after: int = 10  # steps in the window before the rule judges (the first steps are noisy)
+    # steps in the window before the rule judges the loss and gradient norm (the first steps are
+    # noisy); the input, which training does not move, is judged from the second step
+    after: int = 10
     skip: bool = False  # skip a spiking step's update; its samples are named in the verdict
     top: int = 5  # samples named on the console (the JSONL and W&B hold every one)
 
