@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
@@ -76,7 +77,15 @@ def ranks(args: argparse.Namespace) -> None:
         return took
 
     chain = build_chain(cfg, plain=boundary.plain(cfg), run="bench", data=built.data)
-    ckpt = train.checkpointer(cfg, built, states["spike"], chain, Path("/tmp"), "")
+    session = SimpleNamespace(  # what train.checkpointer reads of a Session
+        built=built,
+        state=states["spike"],
+        run=SimpleNamespace(run_dir=Path("/tmp/forensics-bench")),
+        cfg=cfg,
+        plain=boundary.plain(cfg),
+        chain=chain,
+    )
+    ckpt = train.checkpointer(session)
 
     def payload(sealed: bool) -> float:
         ckpt.seal = chain.seal if sealed else None

@@ -197,15 +197,41 @@ def input_rms(x: Any) -> torch.Tensor | None:
     return (torch.as_tensor(squares) / max(size, 1)).sqrt()
 
 
-def grad_norm(module: nn.Module, scaler: Any = None) -> torch.Tensor | None:
-    """The norm of the gradient the optimizer is about to apply (on the device, not read): the
-    module's gradients as they stand (DDP: averaged over the ranks; FSDP2: this rank's shard),
-    divided by the GradScaler's scale where one is on. None where nothing has a gradient."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
+def largest_rms(x: Any) -> torch.Tensor | None:
+    """The largest RMS of one sample's input in a micro-batch (0-dim, float32, on the device,
+    not read): one norm per sample and a max for a plain floating tensor; ``input_rms`` for
+    nested inputs. None where it holds no floating tensor or no sample."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() > 0:
+        if not x.shape[0] or not x.numel():
+            return None
+        flat = x.detach().reshape(x.shape[0], -1)
+        norms = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float32)
+        return norms.max() / math.sqrt(flat.shape[1])
+    rms = input_rms(x)
+    return rms.max() if rms is not None and rms.numel() else None
+
+
+def grad_norm(
+    module: nn.Module, scaler: Any = None, params: list[nn.Parameter] | None = None
+) -> torch.Tensor | None:
+    """The norm of the gradient the optimizer is about to apply (0-dim, float32, on the device,
+    not read): the module's gradients as they stand (DDP: averaged over the ranks; FSDP2: this
+    rank's shard), divided by the GradScaler's scale where one is on. None where nothing has a
+    gradient. ``params``: the module's parameters, listed once (walking the module each step
+    costs more than the norm)."""
+    params = list(module.parameters()) if params is None else params
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return None
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # FSDP2's shards
-    norm = torch.nn.utils.get_total_norm(local).float()
+    # FSDP2's DTensor shards: their local parts
+    local = [
+        g if type(g) is torch.Tensor else getattr(g, "to_local", lambda g=g: g)() for g in grads
+    ]
+    first = local[0]
+    if all(g.dtype == first.dtype and g.device == first.device for g in local):
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local))).float()
+    else:  # mixed devices or dtypes
+        norm = torch.nn.utils.get_total_norm(local).float()
     if scaler is not None and scaler.is_enabled():  # its scale as a tensor: no wait
         norm = norm / scaler.scale(torch.ones((), device=norm.device))
     return norm
@@ -234,6 +260,7 @@ class Spikes:
     _losses: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # this step's
     _inputs: list[torch.Tensor] = field(default_factory=list)  # this step's per-sample RMS
     _buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    _params: tuple[nn.Module, list[nn.Parameter]] | None = None  # the judged module's
 
     def __post_init__(self) -> None:
         for signal in ("loss", *self.cfg.watch):
@@ -253,9 +280,9 @@ class Spikes:
             self._buffers = [(b, b.detach().clone()) for b in module.buffers()]
         self._held.append((x, y, idx, rng_state()))
         if "input" in self.cfg.watch:
-            rms = input_rms(x)
-            if rms is not None and rms.numel():
-                self._inputs.append(rms.max().reshape(1))
+            largest = largest_rms(x)
+            if largest is not None:
+                self._inputs.append(largest)
 
     def count(self, loss: torch.Tensor, n: int) -> None:
         """The micro-batch's loss (its mean over ``n`` samples), read when the step is judged."""
@@ -303,19 +330,20 @@ class Spikes:
         count = sum(n for _, n in losses)
         if not count:
             return {}
-        parts = [torch.stack([loss.float().reshape(()) for loss, _ in losses])]
-        names = []
-        norm = grad_norm(module, scaler) if "grad_norm" in self.cfg.watch else None
-        if norm is not None:
-            parts.append(norm.reshape(1).to(parts[0].device))
-            names.append("grad_norm")
-        if inputs:
-            parts.append(torch.cat(inputs).max().reshape(1).to(parts[0].device))
-            names.append("input")
-        host = torch.cat(parts).tolist()
-        each, extra = host[: len(losses)], host[len(losses) :]
+        parts = [loss.float() for loss, _ in losses]
+        norm = None
+        if "grad_norm" in self.cfg.watch:
+            if self._params is None or self._params[0] is not module:  # listed once
+                self._params = (module, list(module.parameters()))
+            norm = grad_norm(module, scaler, self._params[1])
+        extras = [("grad_norm", norm)] if norm is not None else []
+        host = torch.stack([*parts, *(v for _, v in extras), *inputs]).tolist()
+        each, rest = host[: len(losses)], host[len(losses) :]
         loss = sum(v * n for v, (_, n) in zip(each, losses, strict=True) if n) / count
-        return {"loss": loss} | dict(zip(names, extra, strict=True))
+        values = {"loss": loss} | {name: rest[k] for k, (name, _) in enumerate(extras)}
+        if inputs:
+            values["input"] = max(rest[len(extras) :])
+        return values
 
     def _breaks(self, signal: str, values: dict[str, float]) -> bool:
         """Whether ``signal``'s value breaks the rule: above ``factor`` x its window's median
