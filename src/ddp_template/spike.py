@@ -6,7 +6,7 @@ steps, once ``after`` steps are in the window (the input's: one); a NaN or infin
 always. The signals:
 ``loss``, the rank's loss over its samples of the step; ``grad_norm``, the norm of the step's
 gradient as the optimizer is about to apply it (DDP has averaged it over the ranks: every rank
-sees the same norm; FSDP2: the rank's shard); ``input``, the largest RMS of one sample's input
+sees the same norm; FSDP2: the rank's slice); ``input``, the largest RMS of one sample's input
 (its floating tensors) among the rank's samples of the step: what a poisoned sample moves when
 BatchNorm, normalising the batch in train mode, hides it from the loss. No collective and one
 read on the host a step (the signals stacked: on CUDA it waits for the step's backward, as the
@@ -216,14 +216,14 @@ def grad_norm(
 ) -> torch.Tensor | None:
     """The norm of the gradient the optimizer is about to apply (0-dim, float32, on the device,
     not read): the module's gradients as they stand (DDP: averaged over the ranks; FSDP2: this
-    rank's shard), divided by the GradScaler's scale where one is on. None where nothing has a
+    rank's slice), divided by the GradScaler's scale where one is on. None where nothing has a
     gradient. ``params``: the module's parameters, listed once (walking the module each step
     costs more than the norm)."""
     params = list(module.parameters()) if params is None else params
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return None
-    # FSDP2's DTensor shards: their local parts
+    # FSDP2's DTensor slices: their local parts
     local = [
         g if type(g) is torch.Tensor else getattr(g, "to_local", lambda g=g: g)() for g in grads
     ]
