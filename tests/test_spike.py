@@ -1,10 +1,12 @@
 """Spike forensics: a poisoned sample at a known index is named by the rank that read it, at the
 step it spikes, on 1, 2 and 3 ranks; skipped (every rank agreeing), it is named in the ledger's
 verdict; replay reproduces its loss; a run killed after the spike resumes bit-identically (each
-rank's window is checkpointed).
+rank's window is checkpointed). A poisoned sample BatchNorm hides from the loss is named by its
+input, each epoch, and the clean default job names nothing.
 
 The poisoned data is ``data=diabetes`` with training sample ``poisoned.INDEX``'s features
-multiplied by ``poisoned.SCALE`` (tests/poisoned.py, a data factory of the test's own)."""
+multiplied by ``poisoned.SCALE``, and ``data=digits`` with sample ``poisoned.DIGIT``'s pixels
+x100 and its label changed (tests/poisoned.py, data factories of the test's own)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import PY, ROOT, jsonl, run, run_env, summary, train_cmd
-from poisoned import INDEX
+from poisoned import DIGIT, INDEX
 from wandb_reader import find_runs
 
 from ddp_template.checkpoint import load
@@ -88,7 +90,10 @@ def test_a_poisoned_sample_is_named_and_its_update_skipped(
     ]
     for records, hit in zip(spikes, read, strict=True):
         assert len(records) == world and all(r["skipped"] for r in records)  # agreed: all
-        (fired,) = [r for r in records if r["fired"]]  # the rank that read the poison
+        # the rank that read the poison: its loss fired (the gradient norm, averaged over the
+        # ranks by DDP, may fire on every rank)
+        (fired,) = [r for r in records if "loss" in r["signals"]]
+        assert all(r["signals"] in ([], ["grad_norm"]) for r in records if r is not fired)
         assert fired["rank"] == hit["rank"] and fired["samples"][0]["index"] == INDEX
         assert fired["loss"] > 10 * fired["median"]
         assert fired["samples"][0]["loss"] > 100 * fired["median"]
@@ -160,6 +165,55 @@ def test_replay_reproduces_the_losses_and_a_killed_run_resumes_bit_identically(
     ends = [load(d / "checkpoints" / "last.pt")["model"] for d in (whole, run_dir)]
     assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
     assert [s[0]["step"] for s in _spikes(run_dir, 1)] == [s[0]["step"] for s in _spikes(whole, 1)]
+
+
+def _replay(run_dir: Path, *args: str) -> list[dict]:
+    out = subprocess.run(
+        [PY, "-m", "ddp_template.replay", str(run_dir), *args, "--json"],
+        cwd=ROOT,
+        env=_env(run_dir.name),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [json.loads(line) for line in out.splitlines()]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_poisoned_sample_batchnorm_hides_from_the_loss_is_named_by_its_input(
+    world: int, tmp_path: Path
+) -> None:
+    """The default job's model (small_cnn, BatchNorm) on digits with sample DIGIT's pixels x100
+    and its label changed: its step's loss barely moves (BatchNorm normalises the batch), its
+    input does. Each epoch the rank replay says read it names it first, at that step, by its
+    input RMS (replay --inputs gives the same); no other record names it. At 2 ranks the clean
+    data, alongside: nothing fires."""
+    poisoned = ["data._target_=poisoned.digits", "epochs=2", f"dist.nproc={world}"]
+    run(train_cmd(tmp_path, *poisoned), env=_env(f"digits{world}"))
+    run_dir = tmp_path / "outputs" / f"digits{world}"
+    named = sorted(
+        (record["epoch"], record["step"], r, record)
+        for r in range(world)
+        if (run_dir / f"rank{r}" / "spikes.jsonl").exists()
+        for record in jsonl(run_dir / f"rank{r}" / "spikes.jsonl")
+        if DIGIT in [s["index"] for s in record["samples"]]
+    )
+    read = _replay(run_dir, "--index", str(DIGIT))
+    assert [(h["epoch"], h["step"], h["rank"]) for h in read] == [n[:3] for n in named]
+    assert len(read) == 2  # once per epoch
+    for _, step, rank, record in named:
+        assert "input" in record["signals"] and record["by"] == "input"
+        first = record["samples"][0]
+        assert (
+            first["index"] == DIGIT and first["input"] > 10 * record["measured"]["input"]["median"]
+        )
+        assert record["loss"] < 10 * record["median"]  # the loss rule alone would miss it
+        (row,) = [r for r in _replay(run_dir, "--step", str(step), "--inputs") if r["rank"] == rank]
+        inputs = dict(zip(row["indices"], row["inputs"], strict=True))
+        assert math.isclose(inputs[DIGIT], first["input"], rel_tol=1e-5)
+    if world == 2:
+        run(train_cmd(tmp_path, "epochs=2", "dist.nproc=2"), env=_env("clean"))
+        assert not list((tmp_path / "outputs" / "clean").glob("rank*/spikes.jsonl"))
 
 
 # ----------------------------------------------------------------------------- the rule alone

@@ -57,8 +57,9 @@ class Feed(Protocol):
 
 class StepRule(Protocol):
     """Sees a step's micro-batches (``hold`` before each forward, ``count`` its loss) and
-    judges the step before its update (``judge``: True skips it; ``own``: this rank's samples
-    of the step judged last). The spike rule's (``spike.Spikes``); :class:`NoRule` by default."""
+    judges the step before its update, its gradients in place (``judge``, with the GradScaler
+    they are scaled by: True skips it; ``own``: this rank's samples of the step judged last).
+    The spike rule's (``spike.Spikes``); :class:`NoRule` by default."""
 
     own: int
 
@@ -66,7 +67,7 @@ class StepRule(Protocol):
 
     def count(self, loss: torch.Tensor, n: int) -> None: ...
 
-    def judge(self, module: nn.Module, step: int, epoch: int) -> bool: ...
+    def judge(self, module: nn.Module, step: int, epoch: int, scaler: Any = None) -> bool: ...
 
 
 class NoRule:
@@ -80,7 +81,7 @@ class NoRule:
     def count(self, loss: torch.Tensor, n: int) -> None:
         return None
 
-    def judge(self, module: nn.Module, step: int, epoch: int) -> bool:
+    def judge(self, module: nn.Module, step: int, epoch: int, scaler: Any = None) -> bool:
         return False
 
 
@@ -350,7 +351,7 @@ def train_one_epoch(
             if not last:
                 continue
             want_norm = (state.step + 1) % tr.log_every == 0
-            skip = rule.judge(tr.module, state.step + 1, state.epoch)
+            skip = rule.judge(tr.module, state.step + 1, state.epoch, tr.scaler)
             stats.spiked += rule.own if skip else 0
             norm = _optimizer_step(tr, want_norm, skip)
             state.commit(stats.tally)

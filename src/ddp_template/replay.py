@@ -4,6 +4,7 @@
     python -m ddp_template.replay <run_dir> --step S --json     # one JSON object per rank
     python -m ddp_template.replay <run_dir> --step S --save batch.pt   # the tensors too
     python -m ddp_template.replay <run_dir> --step S --losses ckpt.pt  # each sample's loss
+    python -m ddp_template.replay <run_dir> --step S --inputs   # each sample's input RMS
     python -m ddp_template.replay <run_dir> --index I           # every step that read sample I
 
 The data order is a function of the run's config: the sampler (mode, permutation, seed),
@@ -54,7 +55,7 @@ from ddp_template.errors import ConfigError, Misfit, command
 from ddp_template.kind import DataKind, kind_of
 from ddp_template.models import build_model, weights_part
 from ddp_template.rng import RngState
-from ddp_template.spike import sample_losses
+from ddp_template.spike import held_rms, sample_losses
 from ddp_template.splits import build_splits
 from ddp_template.task import build_task
 
@@ -347,6 +348,22 @@ def step_losses(run: Run, rows: list[dict[str, Any]], checkpoint: Path) -> str:
     return f"losses with the weights of step {at} ({exact} {first['step']} ran with)"
 
 
+def step_inputs(run: Run, rows: list[dict[str, Any]]) -> None:
+    """Each rank's per-sample input RMS at the step (``row["inputs"]``, aligned with its
+    indices) as spike forensics computes them (``spike.input_rms``): no checkpoint needed, the
+    inputs are the data's (the run's transforms, the step's epoch)."""
+    splits = apply_transforms(run.splits, run.cfg.transforms, run.cfg.seed)
+    splits.set_epoch(rows[0]["epoch"])
+    for row in rows:
+        batches = [(*_one(splits, i), [i], None) for i in row["indices"]]
+        row["inputs"] = held_rms(batches, len(row["indices"])).tolist()
+
+
+def _one(splits: Any, index: int) -> tuple[Any, Any]:
+    x, y, _ = default_collate([splits.train[index]])
+    return x, y
+
+
 def _print_step(run: Run, rows: list[dict[str, Any]], as_json: bool) -> None:
     if as_json:
         for row in rows:
@@ -367,6 +384,9 @@ def _print_step(run: Run, rows: list[dict[str, Any]], as_json: bool) -> None:
         if "losses" in row:
             ranked = sorted(zip(row["losses"], row["indices"], strict=True), reverse=True)
             print("  losses, highest first: " + " ".join(f"{i}:{v:.4g}" for v, i in ranked))
+        if "inputs" in row:
+            ranked = sorted(zip(row["inputs"], row["indices"], strict=True), reverse=True)
+            print("  input RMS, highest first: " + " ".join(f"{i}:{v:.4g}" for v, i in ranked))
 
 
 def _print_hits(index: int, hits: list[dict[str, int]], as_json: bool) -> None:
@@ -396,6 +416,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="CHECKPOINT",
         help="with --step: each sample's loss, with this checkpoint's weights (exact: step S-1's)",
     )
+    parser.add_argument(
+        "--inputs",
+        action="store_true",
+        help="with --step: each sample's input RMS (what spike.watch=input judges)",
+    )
     parser.add_argument("--world-size", type=int, help="only for a run dir that records none")
     return parser
 
@@ -403,8 +428,8 @@ def _parser() -> argparse.ArgumentParser:
 @command
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    for flag in ("save", "losses"):
-        if getattr(args, flag) is not None and args.step is None:
+    for flag in ("save", "losses", "inputs"):
+        if getattr(args, flag) not in (None, False) and args.step is None:
             raise ConfigError(f"--{flag} needs --step S; pass the step it is about.")
     run = load_run(args.run_dir, args.world_size)
     if args.index is not None:
@@ -413,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = step_rows(run, args.step)
     if args.losses is not None:
         print(step_losses(run, rows, args.losses), file=sys.stderr)
+    if args.inputs:
+        step_inputs(run, rows)
     _print_step(run, rows, args.json)
     if args.save is not None:
         path = save_batch(run, rows, args.save)

@@ -5,7 +5,7 @@ spike forensics and fine-tuning (``init_from``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from ddp_template.config.choices import MonitorMode, Parallelism
 from ddp_template.errors import ConfigError
@@ -116,12 +116,18 @@ class SelectionConfig:
 
 @dataclass
 class SpikeConfig:
-    """Spike forensics (``spike``): a step whose loss over every rank's samples exceeds
-    ``factor`` x the median of the last ``window`` steps' names its samples and their losses."""
+    """Spike forensics (``spike``): a step whose loss over a rank's samples, gradient norm or
+    largest per-sample input RMS (``watch``) exceeds ``factor`` x the median of that signal's
+    last ``window`` steps names its samples, with their losses and input RMS."""
 
-    factor: float | None = 10.0  # null: off (no per-step all-reduce of the loss)
+    factor: float | None = 10.0  # null: off (no rule)
+    # What each rank judges every step: its loss, the step's gradient norm, the largest RMS of a
+    # sample's input (what a poisoned sample moves when BatchNorm hides its loss).
+    watch: list[str] = field(default_factory=lambda: ["loss", "grad_norm", "input"])
     window: int = 50  # steps whose median loss is the reference
-    after: int = 10  # steps in the window before the rule judges (the first steps are noisy)
+    # steps in the window before the rule judges the loss and gradient norm (the first steps are
+    # noisy); the input, which training does not move, is judged from the second step
+    after: int = 10
     skip: bool = False  # skip a spiking step's update; its samples are named in the verdict
     top: int = 5  # samples named on the console (the JSONL and W&B hold every one)
 
@@ -146,6 +152,13 @@ class SpikeConfig:
         if self.skip and self.factor is None:
             raise ConfigError(
                 "spike.skip=true needs the rule on; set spike.factor (e.g. 10) or drop spike.skip."
+            )
+        signals = ("loss", "grad_norm", "input")
+        unknown = [str(w) for w in self.watch if w not in signals]
+        if unknown or not self.watch:
+            raise ConfigError(
+                f"spike.watch={list(self.watch)} must name some of {', '.join(signals)}; e.g. "
+                f"spike.watch=[loss,grad_norm,input]."
             )
 
 

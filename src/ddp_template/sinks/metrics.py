@@ -140,13 +140,19 @@ class RankLogger:
 
     def log_spike(self, report: SpikeReport, step: int, top: int) -> None:
         """A step the spike rule caught, as this rank recorded it: its own samples to
-        ``rank<r>/spikes.jsonl``, the console line, and the report's samples to this rank's
-        W&B run (``spikes/samples``; with one W&B run, ``log_spikes`` gathers them there)."""
+        ``rank<r>/spikes.jsonl`` (with the signals that fired), the console line, the signals'
+        values (``spikes/loss``, ``spikes/grad_norm``, ``spikes/input``, ``spikes/fired_<signal>``)
+        and the report's samples to this rank's W&B run (``spikes/samples``; with one W&B run,
+        ``log_spikes`` gathers them there)."""
         with open(self.rank_dir / "spikes.jsonl", "a") as f:
             f.write(json.dumps(report.own()) + "\n")
         if report.fired or self.info.is_main:  # agreed skips: rank 0 speaks for the others
             log.warning("%s", report.line(top))
-        self.log({"spikes/loss": report.loss, "spikes/median": report.median}, step)
+        values = {f"spikes/{k}": v for k, (v, _) in report.measured.items() if k != "loss"}
+        fired = {f"spikes/fired_{k}": 1 for k in report.signals}
+        self.log(
+            {"spikes/loss": report.loss, "spikes/median": report.median} | values | fired, step
+        )
         rows = [{"step": step, **asdict(s)} for s in report.samples]
         if self.runs is not None and self.runs.one_run:  # each rank's own, gathered later
             self._spikes.append([r for r in rows if r["rank"] == self.info.rank])
