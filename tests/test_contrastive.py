@@ -37,7 +37,7 @@ from ddp_template.data.samplers import ShareSampler
 from ddp_template.data.transforms import sample_seed
 from ddp_template.evaluation import evaluate
 from ddp_template.models import contrastive
-from ddp_template.tasks.contrastive import Contrastive, Views, nt_xent
+from ddp_template.tasks.contrastive import Contrastive, Views
 
 TAU = 0.5
 LOADER = LoaderConfig(eval_batch_size=8, num_workers=0)
@@ -200,7 +200,7 @@ def test_two_ranks_gather_with_gradients_and_evaluate_as_one_process(tmp_path: P
         torch.testing.assert_close(got, want.grad, rtol=1e-5, atol=1e-7)
     # each rank's loss is its own samples' mean contribution: together, the global loss
     assert (ranks[0]["loss"] + ranks[1]["loss"]) / 2 == pytest.approx(float(whole), rel=1e-5)
-    assert 0 < one_eval["values"]["correct"] and one_eval["count"] == 40
+    assert one_eval["values"]["correct"] > 0 and one_eval["count"] == 40
     for world, ranks_eval in ((2, ranks), (3, spawn(3, tmp_path))):
         for r in ranks_eval:
             assert r["eval"] == one_eval, world

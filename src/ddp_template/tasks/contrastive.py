@@ -65,7 +65,7 @@ class _Gather(torch.autograd.Function):
     backward all-reduces the gradient of all of them and returns this rank's rows'."""
 
     @staticmethod
-    def forward(ctx: Any, rows: Tensor, most: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, rows: Tensor, most: int) -> Tensor:
         ctx.n, ctx.most = len(rows), most
         padded = rows.new_zeros((most, *rows.shape[1:]))
         padded[: len(rows)] = rows
@@ -74,7 +74,7 @@ class _Gather(torch.autograd.Function):
         return torch.cat(parts)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         grad = grad.contiguous().clone()
         dist.all_reduce(grad)  # every rank's loss reaches every rank's rows
         start = dist.get_rank() * ctx.most
