@@ -33,11 +33,11 @@ every other sample of the batch). What it does, and how each classic DDP bug is 
   ``sample_losses`` gather nothing: the batch they are given is the global batch (replay passes
   the step's micro-batch of every rank joined; a spike's report has its own rank's).
 - **Evaluation** needs no labels in training: leave-one-out nearest-class-mean accuracy on the
-  representation ``h`` (L2-normalised) of the evaluated split. ``update`` adds each class's sum
-  of ``h`` and count (float64 sums, all-reduced by ``evaluate``) and keeps this rank's ``h``;
-  ``result`` scores each kept sample against the class means without it (its own class's
-  mean is ``(S_c - h_i) / (n_c - 1)``) and all-reduces the count of correct ones: the same
-  number at any world size.
+  representation ``h`` (L2-normalised) of the evaluated split. ``update`` adds each class's
+  count to ``sums`` (all-reduced by ``evaluate``) and keeps this rank's ``h``; ``result`` (every
+  rank calls it) all-reduces each class's sum of ``h``, scores each kept sample against the
+  class means without it (its own class's mean is ``(S_c - h_i) / (n_c - 1)``) and all-reduces
+  the count of correct ones: the same number at any world size.
 """
 
 from __future__ import annotations
