@@ -80,15 +80,17 @@ class Built(NamedTuple):
 
 
 def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Built:
-    """Data (+its identity, +augmentation) → sampler → loaders → task → model (+a fresh run's
-    finetune weights, +SyncBN) → switches (EMA) → DDP or FSDP2 → compile → optimizer (+the
-    spike rule) → evaluation."""
+    """Data (+its identity) → task (+augmentation, the task's training data) → sampler →
+    loaders → model (+a fresh run's finetune weights, +SyncBN) → switches (EMA) → DDP or FSDP2
+    → compile → optimizer (+the spike rule) → evaluation."""
     splits = build_splits(cfg.data)
     kind = kind_of(splits)  # map-style, or the kind its factory chose (tar shards, a stream)
     kind.check(cfg, splits)  # the run's options this kind cannot honour (after a resize too)
     # The data's identity (provenance), before augmentation wraps it: rank 0's, read once.
     data = distributed.broadcast_object(identify(splits) if info.is_main else None, info)
-    splits = apply_transforms(splits, cfg.transforms, cfg.seed)
+    task = build_task(cfg.task)  # what is learned: the loss, the evaluation's sums and metrics
+    task.setup(splits.info, info.device)  # its training data: the splits, or its own (views)
+    splits = task.training_data(apply_transforms(splits, cfg.transforms, cfg.seed), cfg.seed)
     sampler = kind.sampler(splits.train, cfg.sampler, seed=cfg.seed, info=info, loader=cfg.loader)
     loader = kind.loader(
         splits.train,
@@ -99,8 +101,6 @@ def build(cfg: Config, info: distributed.DistInfo, *, fresh: bool = True) -> Bui
         info=info,
     )
     steps = kind.steps(cfg, sampler)  # optim.accumulate micro-batches each
-    task = build_task(cfg.task)  # what is learned: the loss, the evaluation's sums and metrics
-    task.setup(splits.info, info.device)
     parallel = build_parallel(cfg.parallel, cfg.ddp, info, amp=str(cfg.amp.mode))
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, splits.info)

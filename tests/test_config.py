@@ -26,7 +26,7 @@ GROUPS = {
     "backend": ["auto", "gloo", "nccl"],
     "syncbn": ["off", "on"],
     "amp": ["off", "bf16", "fp16"],
-    "model": ["small_cnn", "resnet18", "torchvision", "fcn", "mlp"],
+    "model": ["small_cnn", "resnet18", "torchvision", "fcn", "mlp", "contrastive"],
     "data": [
         "digits",
         "synthetic",
@@ -39,7 +39,7 @@ GROUPS = {
     ],
     "optim": ["sgd", "adamw"],
     "logger": ["wandb", "none"],
-    "task": ["classification", "segmentation", "regression", "lm"],
+    "task": ["classification", "segmentation", "regression", "lm", "contrastive"],
 }
 
 
@@ -82,6 +82,7 @@ def test_option_composes(group: str, option: str, compose_cfg: Callable[..., Dic
 MODEL_JOBS = {
     "fcn": ["task=segmentation", "data=shapes", "data.size=8", "data.test_size=4"],
     "mlp": ["task=regression", "data=diabetes"],
+    "contrastive": ["task=contrastive", "data=digits"],
 }
 CLASSIFIER = ["task=classification", "data=synthetic", "data.size=8", "data.image_size=16"]
 
@@ -94,6 +95,7 @@ def test_every_model_instantiates_and_runs(
     splits = build_splits(cfg.data)
     task = build_task(cfg.task)
     task.setup(splits.info, torch.device("cpu"))
+    splits = task.training_data(splits, cfg.seed)  # what training reads (contrastive: views)
     net = build_model(cfg.model, splits.info)
     check_fit(task, net, splits, torch.device("cpu"), cfg.model._target_)  # what the task reads
 

@@ -2,7 +2,8 @@
 
 The model contract: a ``model`` YAML's ``_target_`` names any callable returning an
 ``nn.Module`` whose output the task reads (logits ``(B, num_classes)`` for classification,
-``(B, out_features)`` for regression, ``(B, num_classes, H, W)`` for segmentation). Each field
+``(B, out_features)`` for regression, ``(B, num_classes, H, W)`` for segmentation, the
+representation and its projection for contrastive learning). Each field
 the data's ``DataInfo`` sets (``num_classes``, ``in_channels``, ``image_size``, ``in_features``,
 ``out_features``) goes to the factory's argument of that name, unless its YAML sets it.
 """
@@ -116,6 +117,45 @@ def mlp(
         features = hidden
     layers.append(nn.Linear(features, out_features))
     return nn.Sequential(*layers)
+
+
+class Projected(nn.Module):
+    """An encoder and a projection head: ``(B, C, H, W)`` → ``(h, z)``, the representation
+    ``(B, features)`` and its projection ``(B, projection)``; ``(B, V, C, H, W)`` (V views of
+    each sample) → ``(B, V, features)`` and ``(B, V, projection)``."""
+
+    def __init__(self, encoder: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.encoder, self.head = encoder, head
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lead = x.shape[:-3]  # (B,) or (B, V)
+        h = self.encoder(x.reshape(-1, *x.shape[-3:]))
+        z = self.head(h)
+        return h.reshape(*lead, h.shape[-1]), z.reshape(*lead, z.shape[-1])
+
+
+def contrastive(
+    in_channels: int,
+    image_size: int,
+    features: int = 32,
+    projection: int = 16,
+    width: int = 16,
+    depth: int = 2,
+    norm: str = "none",
+) -> nn.Module:
+    """``task=contrastive``'s model: :func:`small_cnn`'s blocks as the encoder (its head gives
+    ``features`` values, the representation), then a Linear-ReLU-Linear projection head to
+    ``projection`` values, the space the loss contrasts in (:class:`Projected`). ``norm=none``
+    by default: BatchNorm's per-rank statistics would make 2 ranks differ from 1 process, and
+    GroupNorm collapses this small encoder at the default ``optim.lr=0.1``."""
+    if features < 1 or projection < 1:
+        raise ConfigError(
+            f"model.features={features} and model.projection={projection} must both be >= 1."
+        )
+    encoder = small_cnn(features, in_channels, image_size, width=width, depth=depth, norm=norm)
+    head = nn.Sequential(nn.Linear(features, features), nn.ReLU(), nn.Linear(features, projection))
+    return Projected(encoder, head)
 
 
 def resnet18(

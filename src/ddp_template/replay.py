@@ -324,18 +324,21 @@ def step_losses(run: Run, rows: list[dict[str, Any]], checkpoint: Path) -> str:
         raise ConfigError(f"--losses {checkpoint} does not exist; pass a checkpoint of this run.")
     payload = load_checkpoint(checkpoint, fix="pass a checkpoint of this run with --losses")
     cfg, first = run.cfg, rows[0]
-    splits = apply_transforms(run.splits, cfg.transforms, cfg.seed)
+    task = build_task(cfg.task)
+    task.setup(run.splits.info, torch.device("cpu"))
+    splits = task.training_data(apply_transforms(run.splits, cfg.transforms, cfg.seed), cfg.seed)
     splits.set_epoch(first["epoch"])
     model = build_model(cfg.model, splits.info)
     try:
         weights_part(model).load_state_dict(whole(checkpoint, payload, "model") or {})
     except Misfit as exc:
         raise ConfigError(f"--losses {checkpoint}: {exc}") from None
-    task = build_task(cfg.task)
-    task.setup(splits.info, torch.device("cpu"))
     model.train()
     size = piece_of(run, first["step"]).epoch_steps.batch_size
     ranks = payload["ranks"] if payload["world_size"] == first["world_size"] else None
+    if task.batch_level:  # a sample's loss is against the step's micro-batch of every rank
+        _global_losses(model, task, splits.train, rows, size, str(cfg.amp.mode))
+        rows = []
     for row in rows:
         if ranks is not None:  # the RNG this rank's forwards drew from (dropout)
             RngState().load_state_dict(ranks[row["rank"]]["rng"])
@@ -362,6 +365,26 @@ def step_inputs(run: Run, rows: list[dict[str, Any]]) -> None:
 def _one(splits: Any, index: int) -> tuple[Any, Any]:
     x, y, _ = default_collate([splits.train[index]])
     return x, y
+
+
+def _global_losses(
+    model: Any, task: Any, train: Any, rows: list[dict[str, Any]], size: int, amp: str
+) -> None:
+    """A batch-level task's (``task=contrastive``): micro-batch ``k`` of the step is every
+    rank's ``k``-th, joined in rank order as the training's gather joined them, and each
+    sample's loss is its contribution against all of them (``task.sample_losses``)."""
+    chunks = [[r["indices"][i : i + size] for i in range(0, len(r["indices"]), size)] for r in rows]
+    for row in rows:
+        row["losses"] = []
+    for k in range(max((len(c) for c in chunks), default=0)):
+        joined = [(row, c[k]) for row, c in zip(rows, chunks, strict=True) if k < len(c)]
+        every = [i for _, c in joined for i in c]
+        x, y = default_collate([train[i] for i in every])[:2]
+        _, losses = sample_losses(model, task, [(x, y, every, None)], amp, torch.device("cpu"))
+        at = 0
+        for row, c in joined:
+            row["losses"] += losses[at : at + len(c)].tolist()
+            at += len(c)
 
 
 def _print_step(run: Run, rows: list[dict[str, Any]], as_json: bool) -> None:

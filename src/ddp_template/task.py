@@ -10,7 +10,8 @@ on the unpadded evaluation shares and sync their own states. The engine and the 
 none of it. Readers: ``engine`` (``loss``), ``spike`` (``sample_losses``), ``probe`` (``loss``,
 ``sums`` and ``update`` on a few samples before the first step, unless ``batch_level``),
 ``evaluation.evaluate`` (``begin``, ``sums``, ``update``, ``result``), ``config.boundary``
-(``directions``), ``train`` (``setup``, the objective), ``run_identity`` (the sweep's
+(``directions``), ``train`` (``setup``, ``training_data``, the objective), ``replay``
+(``training_data``, ``sample_losses``), ``run_identity`` (the sweep's
 direction). A new task is one file and one YAML
 (README "Make it yours"); ``tasks/`` holds the shipped ones.
 """
@@ -26,7 +27,7 @@ from omegaconf import OmegaConf
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from ddp_template.data.contract import DataInfo, batch_len
+from ddp_template.data.contract import DataInfo, Splits, batch_len
 from ddp_template.errors import ConfigError, instantiate_clean
 
 Direction = Literal["max", "min"]
@@ -80,9 +81,15 @@ class Task:
         return {**self.directions, **extra}
 
     def setup(self, info: DataInfo, device: torch.device) -> None:
-        """Told the data (before training): the torchmetrics go to the device."""
+        """Told the data (before ``training_data`` and training): the torchmetrics go to the
+        device."""
         for metric in self.extra.values():
             metric.to(device)
+
+    def training_data(self, splits: Splits, seed: int) -> Splits:
+        """The splits training reads (``build``, ``replay --losses``): as they are, unless the
+        task draws its own inputs from each sample (``task=contrastive``'s two views)."""
+        return splits
 
     def begin(self) -> None:
         """Before each evaluation: the torchmetrics start empty."""

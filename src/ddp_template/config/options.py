@@ -22,6 +22,16 @@ class SmallCNNConfig:
 
 
 @dataclass
+class ContrastiveModelConfig:
+    _target_: str = "ddp_template.models.contrastive"
+    features: int = 32  # the representation (what the evaluation's class means average)
+    projection: int = 16  # the projection head's output (what the loss contrasts)
+    width: int = 16
+    depth: int = 2
+    norm: Norm = Norm.none
+
+
+@dataclass
 class FCNConfig:
     _target_: str = "ddp_template.models.fcn"
     width: int = 16

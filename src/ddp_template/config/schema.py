@@ -50,6 +50,7 @@ from ddp_template.config.loop import (
 )
 from ddp_template.config.options import (
     ArrayConfig,
+    ContrastiveModelConfig,
     DataSplitConfig,
     DiabetesConfig,
     DigitsConfig,
@@ -357,6 +358,7 @@ def register_configs() -> None:
             "torchvision": TorchvisionModelConfig,
             "mlp": MLPConfig,
             "fcn": FCNConfig,
+            "contrastive": ContrastiveModelConfig,
         },
         "data": {
             "digits": DigitsConfig,

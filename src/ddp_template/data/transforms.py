@@ -22,11 +22,15 @@ from ddp_template.errors import ConfigError
 from ddp_template.splitmix import splitmix64
 
 
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """The RNG seed of sample ``index`` at ``epoch``: a hash of the triple."""
+def sample_seed(seed: int, epoch: int, index: int, view: int | None = None) -> int:
+    """The RNG seed of sample ``index`` at ``epoch``: a hash of the triple; of its ``view``
+    (``task=contrastive``'s two views of a sample) a hash of the four."""
     key = splitmix64(np.uint64(seed % 2**64))
     key = splitmix64(key ^ np.uint64(epoch % 2**64))
-    return int(splitmix64(key ^ np.uint64(index % 2**64)) >> np.uint64(1))
+    key = splitmix64(key ^ np.uint64(index % 2**64))
+    if view is not None:
+        key = splitmix64(key ^ np.uint64(view % 2**64))
+    return int(key >> np.uint64(1))
 
 
 class Augmented(Dataset):
