@@ -109,7 +109,7 @@ def test_a_part_that_can_start_fresh_does_and_an_extra_part_is_reported(
 def test_an_older_format_is_refused_naming_its_version(tmp_path: Path) -> None:
     old = tmp_path / "last.pt"
     checkpoint.save_atomic({"format": 2, "model": {}}, old)
-    with pytest.raises(ConfigError, match=r"has format 2, .* reads format 3\); pass another"):
+    with pytest.raises(ConfigError, match=r"has format 2, .* reads format 4\); pass another"):
         checkpoint.load(old)
     with pytest.raises(ConfigError, match="holds a different model"):
         checkpoint.restore(

@@ -26,6 +26,7 @@ from helpers import jsonl, run, run_env, train_cmd
 
 from ddp_template.data.identity import PROBES
 from ddp_template.ledger.tally import fingerprint
+from ddp_template.probe import SAMPLES
 from ddp_template.replay import index_hits, load_run, main, step_rows
 
 N, W, BATCH, EPOCHS = 45, 2, 4, 2  # L = 23 per rank: 6 steps per epoch, the last of 3
@@ -87,9 +88,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
         [int(line) for line in (records / f"rank{r}.txt").read_text().split()] for r in range(W)
     ]
     # Before training, rank 0 probed the data for the provenance chain (data.identity): PROBES
-    # samples spread over it, here all 45, in order.
+    # samples spread over it, here all 45, in order; then the task's exactness probe read the
+    # first SAMPLES training samples (probe.probe).
     assert consumed[0][:N] == list(range(N))
-    consumed[0] = consumed[0][min(PROBES, N) :]
+    assert consumed[0][N : N + SAMPLES] == list(range(SAMPLES))
+    consumed[0] = consumed[0][min(PROBES, N) + SAMPLES :]
     return SimpleNamespace(run_dir=run_dir, code=code, consumed=consumed, env=env)
 
 
