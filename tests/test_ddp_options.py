@@ -15,6 +15,8 @@ from ddp_template.models import small_cnn
 from ddp_template.parallel import build_ddp
 
 
+# torch warns that static_graph makes find_unused_parameters redundant: both set on purpose here.
+@pytest.mark.filterwarnings("ignore:You passed find_unused_parameters=true:UserWarning")
 def test_every_option_reaches_ddp(tmp_path: Path) -> None:
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group(

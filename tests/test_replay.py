@@ -189,6 +189,8 @@ def test_bad_input_is_one_sentence_and_exit_2(on_path: SimpleNamespace, tmp_path
         assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
 
+# runpy re-executes the module this process already imported (as -m would in a fresh one).
+@pytest.mark.filterwarnings("ignore:'ddp_template.replay' found in sys.modules:RuntimeWarning")
 def test_the_command_line_entry_point(
     on_path: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
