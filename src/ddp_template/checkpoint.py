@@ -26,15 +26,18 @@ end of ``fit``, a preemption stop, an exception).
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
 import shutil
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -94,24 +97,46 @@ def _fsync_dir(directory: Path) -> None:
 
 class _InFlight:
     """The one asynchronous save of this process still being written: this rank's DCP write
-    (``slices``) and rank 0's publication (``thread``), with the error either met."""
+    (``slices``) and rank 0's thread, which first copies the optimizer's tensors (``stage``:
+    ``staged`` is set once they are copied, or the copy failed) and then writes and publishes
+    the files (``publish``), with the error either met. ``stalled``: the seconds the training
+    thread waited for ``staged`` before an optimizer step."""
 
-    def __init__(self, slices: Future | None, publish: Callable[[], None] | None) -> None:
+    def __init__(
+        self,
+        slices: Future | None,
+        publish: Callable[[], None] | None,
+        stage: Callable[[], None] | None = None,
+    ) -> None:
         self.slices, self.errors = slices, list[BaseException]()
+        self.staged, self.stalled = threading.Event(), 0.0
         self.thread = None
-        if publish is not None:
-            self.thread = threading.Thread(
-                target=self._run, args=(publish,), name="checkpoint-writer", daemon=True
-            )
-            self.thread.start()
+        if publish is None:
+            self.staged.set()
+            return
+        self.thread = threading.Thread(
+            target=self._run, args=(stage, publish), name="checkpoint-writer", daemon=True
+        )
+        self.thread.start()
 
-    def _run(self, publish: Callable[[], None]) -> None:
+    def _run(self, stage: Callable[[], None] | None, publish: Callable[[], None]) -> None:
         try:
             if WRITER_NICE and hasattr(os, "setpriority"):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+            try:
+                if stage is not None:
+                    stage()
+            finally:
+                self.staged.set()  # an optimizer step may go on (a failed copy: raised later)
             publish()
         except BaseException as exc:  # met by the next wait, on the training thread
             self.errors.append(exc)
+
+    def wait_staged(self) -> None:
+        if not self.staged.is_set():
+            t0 = time.perf_counter()
+            self.staged.wait()
+            self.stalled += time.perf_counter() - t0
 
     def wait(self) -> None:
         if self.slices is not None:
@@ -130,6 +155,62 @@ WRITER_NICE = 0
 # At most one save in flight per process (a live regroup builds a new Checkpointer: its first
 # save still waits for the last one's).
 _IN_FLIGHT: list[_InFlight] = []
+
+
+def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """An optimizer's step pre-hook (checkpoint.async_save): the step waits until the save in
+    flight has copied the tensors it is about to change."""
+    for flight in _IN_FLIGHT:
+        flight.wait_staged()
+
+
+class _Later(NamedTuple):
+    """A staged payload's place of an optimizer's tensor, copied by the writer thread."""
+
+    slot: int
+
+
+def _defer(obj: Any, deferred: set[int], later: list[torch.Tensor], seen: dict) -> Any:
+    """``obj``'s structure copied, each tensor whose storage is in ``deferred`` replaced by a
+    ``_Later`` (one per tensor view: a tied weight stays one) and appended to ``later``."""
+    if isinstance(obj, torch.Tensor):
+        if obj.untyped_storage().data_ptr() not in deferred:
+            return obj
+        key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride())
+        if key not in seen:
+            seen[key] = len(later)
+            later.append(obj)
+        return _Later(seen[key])
+    if isinstance(obj, dict):
+        new = copy.copy(obj)  # its type and attributes (a state_dict's _metadata)
+        for k, v in obj.items():
+            new[k] = _defer(v, deferred, later, seen)
+        return new
+    if isinstance(obj, list | tuple) and not isinstance(obj, _Later):
+        items = [_defer(v, deferred, later, seen) for v in obj]
+        if isinstance(obj, list):
+            return items
+        if all(a is b for a, b in zip(items, obj, strict=True)):
+            return obj
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def _fill(obj: Any, copies: list[torch.Tensor]) -> Any:
+    """``_defer``'s places filled with the copies, in place where the container allows."""
+    if isinstance(obj, _Later):
+        return copies[obj.slot]
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            obj[k] = _fill(v, copies)
+        return obj
+    if isinstance(obj, list):
+        obj[:] = [_fill(v, copies) for v in obj]
+        return obj
+    if isinstance(obj, tuple):
+        items = [_fill(v, copies) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
 
 
 def wait_in_flight() -> None:
@@ -240,6 +321,30 @@ class Checkpointer:
     _named: dict[str, str | None] | None = None  # each checkpoint file's slices, once read
     _stager: DefaultStager | None = None  # checkpoint.async_save: the CPU copies, reused
     _group: Any = None  # checkpoint.async_save with sliced parts: DCP's own gloo group
+    _later: list[torch.Tensor] = field(default_factory=list)  # the optimizers' tensors' copies
+    _stream: Any = None  # CUDA: the stream the optimizers' tensors are copied on
+    _hooks: list[Any] = field(default_factory=list)  # the optimizers' step pre-hooks
+
+    def __post_init__(self) -> None:
+        if self.cfg.enabled and self.cfg.async_save:  # an optimizer step waits for the copy
+            self._hooks = [o.register_step_pre_hook(_before_step) for o in self._optimizers()]
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        """The whole parts that are optimizers: only their ``step`` changes their tensors and
+        their parameters, so these are copied after ``save`` returns, before that step."""
+        return [p for p in self.parts.values() if isinstance(p, torch.optim.Optimizer)]
+
+    def _deferred(self) -> set[int]:
+        """The storages (their addresses) of the optimizers' parameters and state."""
+        tensors = [p for o in self._optimizers() for g in o.param_groups for p in g["params"]]
+        tensors += [
+            v
+            for o in self._optimizers()
+            for s in o.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        ]
+        return {t.untyped_storage().data_ptr() for t in tensors}
 
     def payload(self, ranks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """What a checkpoint holds; ``ranks``: every rank's parts, already gathered (a live
@@ -258,6 +363,7 @@ class Checkpointer:
         return payload
 
     def restore(self, found: Found, *, resized: bool = False) -> None:
+        wait_in_flight()  # a live regroup's: the parameters are copied before they are loaded
         _check_layout(bool(self.sliced), found)
         restore(
             found, parts=self.parts, rank_parts=self.rank_parts, info=self.info, resized=resized
@@ -318,10 +424,12 @@ class Checkpointer:
             payload["slices"] = name
             slices = slices_of(path, payload)
             future = self._slices_async(slices.with_name(name + ".tmp"))
-        publish = None
+        publish = stage = None
         if self.info.is_main:
-            staged = self._stager.stage(payload)  # deep copies: nothing later leaks in
+            later: list[torch.Tensor] = []
+            staged = self._stager.stage(_defer(payload, self._deferred(), later, {}))
             assert isinstance(staged, dict)  # use_async_staging off: staged here, now
+            stage = self._copy_later(later, staged)
 
             def publish() -> None:
                 if future is not None and slices is not None:
@@ -330,8 +438,34 @@ class Checkpointer:
                     _fsync_dir(slices.parent)
                 self._publish(staged, path, written, epochs_done)
 
-        _IN_FLIGHT.append(_InFlight(future, publish))
+        _IN_FLIGHT.append(_InFlight(future, publish, stage))
         return Saved(path, written, slices)
+
+    def _copy_later(self, later: list[torch.Tensor], staged: dict[str, Any]) -> Callable[[], None]:
+        """The writer thread's first task: the optimizers' tensors copied into CPU buffers kept
+        from save to save (pinned, on a stream of their own, on CUDA) and put in ``staged``; the
+        optimizers' next step waits for it (``_before_step``), so nothing later leaks in."""
+        cuda = self.info.device.type == "cuda"
+        if cuda and later:
+            self._stream = self._stream or torch.cuda.Stream(self.info.device)
+            self._stream.wait_stream(torch.cuda.current_stream(self.info.device))  # step S's
+        for k, t in enumerate(later):
+            if k == len(self._later):
+                self._later.append(torch.empty(0))
+            old = self._later[k]
+            if old.shape != t.shape or old.dtype != t.dtype:
+                self._later[k] = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+        copies = self._later[: len(later)]
+
+        def stage() -> None:
+            with torch.no_grad(), torch.cuda.stream(self._stream) if cuda else nullcontext():
+                for dst, src in zip(copies, later, strict=True):
+                    dst.copy_(src, non_blocking=cuda)
+            if cuda and later:
+                self._stream.synchronize()
+            _fill(staged, copies)
+
+        return stage
 
     def _slices_async(self, tmp: Path) -> Future:
         """Every rank's slices staged to CPU now, written by DCP's thread into ``tmp``."""
@@ -365,6 +499,9 @@ class Checkpointer:
         rank's DCP thread; the next launch deletes its directory); rank 0's file is finished."""
         if not self.cfg.async_save:
             return
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         if broken and self.sliced:
             log.warning("a checkpoint write in flight was dropped: the ranks' group broke")
             _IN_FLIGHT.clear()
