@@ -16,12 +16,14 @@ through torch.distributed.checkpoint (DCP) instead: one file per rank in
 the ``.pt`` file names that directory (``"slices"``). DCP lays them out again on load, at this
 run's world size, whatever it was at save. A directory no checkpoint names is deleted.
 
-``checkpoint.async_save=true``: ``save`` copies every part to CPU memory at the step boundary
-(pinned on CUDA; DCP's own stager, its buffers reused from save to save), the sliced parts
-through ``dcp.async_save`` on a gloo group of its own, and returns; rank 0's writer thread then
-writes and publishes the files in the same order and the same atomic way while training goes
-on. One save is in flight at most: the next ``save`` waits for it, and so does ``close`` (the
-end of ``fit``, a preemption stop, an exception).
+``checkpoint.async_save=true``: ``save`` copies to CPU memory at the step boundary what the next
+step's forward and backward can change (the buffers) and every small part (DCP's stager, pinned
+on CUDA, its buffers reused from save to save), the sliced parts through ``dcp.async_save`` on a
+gloo group of its own, and returns; rank 0's writer thread then copies the optimizer's
+parameters and state (only its ``step`` changes them: that step waits for the copy, a step
+pre-hook) and writes and publishes the files in the same order and the same atomic way while
+training goes on. One save is in flight at most: the next ``save`` waits for it, and so do
+``close`` (the end of ``fit``, a preemption stop, an exception) and ``restore``.
 """
 
 from __future__ import annotations
