@@ -8,7 +8,12 @@ leaking in, published atomically, and a kill inside the write costs only that ch
   write's state, not by time); the run resumes from the previous complete checkpoint (step 12,
   epoch 0's end) and ends bit-identical to the uninterrupted run with async off; the interrupted
   write's ``last.pt.tmp`` is never read;
-- experiment=lm_bytes (small) with async on and off: the same final weights.
+- experiment=lm_bytes (small; 2 micro-batches a step, the EMA on) with async on and off: the
+  same final weights, optimizer state and average;
+- the deferred copy of the optimizer's tensors (weights, state): held until step S+1's forward
+  and backward have changed the buffers, the optimizer step waits for it, and the file holds
+  step S's weights, buffers and optimizer state exactly; ``close`` (the run's last step, no
+  optimizer step after it) and an exception before the next optimizer step finish it.
 (Under FSDP2 with DCP slices: tests/optional/fsdp2/test_fsdp2_runs.py.)
 """
 
@@ -139,12 +144,22 @@ LM = [
 
 
 def test_async_on_and_off_end_on_the_same_weights_on_lm_bytes(tmp_path: Path) -> None:
+    """With 2 micro-batches a step (the weights' copy beside both forwards and backwards) and
+    the EMA switch (its average copied at the step boundary): the same weights, optimizer state
+    and average, whether the checkpoints are taken asynchronously or not."""
     for run_id, flag in (("off", "false"), ("on", "true")):
         cmd = train_cmd(
-            tmp_path, *LM, f"checkpoint.async_save={flag}", "paths.data_root=" + str(tmp_path)
+            tmp_path,
+            *LM,
+            "optim.accumulate=2",
+            "ema.decay=0.9",
+            f"checkpoint.async_save={flag}",
+            "paths.data_root=" + str(tmp_path),
         )
         run(cmd, env=run_env(RUN_ID=run_id))
     equal(final(tmp_path / "outputs/off"), final(tmp_path / "outputs/on"))
+    averages = [load(tmp_path / f"outputs/{r}/checkpoints/last.pt")["ema"] for r in ("off", "on")]
+    equal(*(dict(flat(a["model"])) for a in averages))
 
 
 class Net(torch.nn.Module):
