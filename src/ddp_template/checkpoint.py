@@ -38,7 +38,6 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +48,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
 
 from ddp_template.config.schema import CheckpointConfig
 from ddp_template.distributed import DistInfo, broadcast_object, gather_objects
@@ -98,30 +98,27 @@ def _fsync_dir(directory: Path) -> None:
 
 
 class _InFlight:
-    """The one asynchronous save of this process still being written: this rank's DCP write
-    (``slices``) and rank 0's thread, which first copies the optimizer's tensors (``stage``:
-    ``staged`` is set once they are copied, or the copy failed) and then writes and publishes
-    the files (``publish``), with the error either met. ``stalled``: the seconds the training
+    """The one asynchronous save of this process still being written: this rank's writer
+    thread, which first copies the optimizers' tensors (``stage``: ``staged`` is set once they
+    are copied, or the copy failed), then writes this rank's slices (DCP) and, on rank 0,
+    publishes the files (``write``), with the error met. ``stalled``: the seconds the training
     thread waited for ``staged`` before an optimizer step."""
 
     def __init__(
-        self,
-        slices: Future | None,
-        publish: Callable[[], None] | None,
-        stage: Callable[[], None] | None = None,
+        self, write: Callable[[], None] | None, stage: Callable[[], None] | None = None
     ) -> None:
-        self.slices, self.errors = slices, list[BaseException]()
+        self.errors = list[BaseException]()
         self.staged, self.stalled = threading.Event(), 0.0
         self.thread = None
-        if publish is None:
+        if write is None:
             self.staged.set()
             return
         self.thread = threading.Thread(
-            target=self._run, args=(stage, publish), name="checkpoint-writer", daemon=True
+            target=self._run, args=(stage, write), name="checkpoint-writer", daemon=True
         )
         self.thread.start()
 
-    def _run(self, stage: Callable[[], None] | None, publish: Callable[[], None]) -> None:
+    def _run(self, stage: Callable[[], None] | None, write: Callable[[], None]) -> None:
         try:
             if WRITER_NICE and hasattr(os, "setpriority"):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
@@ -130,7 +127,7 @@ class _InFlight:
                     stage()
             finally:
                 self.staged.set()  # an optimizer step may go on (a failed copy: raised later)
-            publish()
+            write()
         except BaseException as exc:  # met by the next wait, on the training thread
             self.errors.append(exc)
 
@@ -141,8 +138,6 @@ class _InFlight:
             self.stalled += time.perf_counter() - t0
 
     def wait(self) -> None:
-        if self.slices is not None:
-            self.slices.result()
         if self.thread is not None:
             self.thread.join()
         if self.errors:
@@ -166,6 +161,25 @@ def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         flight.wait_staged()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor, or this rank's slice of a DTensor (``parallel=fsdp2``)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _laid_out(copy: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The copy of ``like``'s (local) data, laid out as ``like`` is (a DTensor: as its slice)."""
+    if not isinstance(like, DTensor):
+        return copy
+    return DTensor.from_local(
+        copy,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
 class _Later(NamedTuple):
     """A staged payload's place of an optimizer's tensor, copied by the writer thread."""
 
@@ -176,9 +190,10 @@ def _defer(obj: Any, deferred: set[int], later: list[torch.Tensor], seen: dict) 
     """``obj``'s structure copied, each tensor whose storage is in ``deferred`` replaced by a
     ``_Later`` (one per tensor view: a tied weight stays one) and appended to ``later``."""
     if isinstance(obj, torch.Tensor):
-        if obj.untyped_storage().data_ptr() not in deferred:
+        local = _local(obj)
+        if local.untyped_storage().data_ptr() not in deferred:
             return obj
-        key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride())
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), obj.shape, obj.stride())
         if key not in seen:
             seen[key] = len(later)
             later.append(obj)
@@ -332,9 +347,12 @@ class Checkpointer:
             self._hooks = [o.register_step_pre_hook(_before_step) for o in self._optimizers()]
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
-        """The whole parts that are optimizers: only their ``step`` changes their tensors and
-        their parameters, so these are copied after ``save`` returns, before that step."""
-        return [p for p in self.parts.values() if isinstance(p, torch.optim.Optimizer)]
+        """The parts that are optimizers, or hold one (FSDP2's slices of one): only their
+        ``step`` changes their tensors and their parameters, so these are copied after ``save``
+        returns, before that step."""
+        held = [getattr(p, "optimizer", p) for p in (*self.parts.values(), *self.sliced.values())]
+        found = {id(o): o for o in held if isinstance(o, torch.optim.Optimizer)}
+        return list(found.values())  # the LR schedule holds the optimizer too: once
 
     def _deferred(self) -> set[int]:
         """The storages (their addresses) of the optimizers' parameters and state."""
@@ -346,7 +364,7 @@ class Checkpointer:
             for v in s.values()
             if isinstance(v, torch.Tensor)
         ]
-        return {t.untyped_storage().data_ptr() for t in tensors}
+        return {_local(t).untyped_storage().data_ptr() for t in tensors}
 
     def payload(self, ranks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """What a checkpoint holds; ``ranks``: every rank's parts, already gathered (a live
@@ -412,46 +430,75 @@ class Checkpointer:
             self._prune_slices(payload["slices"], files)
 
     def _save_async(self, path: Path, written: dict[str, Path], epochs_done: int | None) -> Saved:
-        """checkpoint.async_save: the state of this step copied to CPU memory (a collective, as
-        the synchronous save), then written and published by rank 0's thread (and each rank's
-        DCP thread) while training goes on."""
+        """checkpoint.async_save: the state of this step copied to CPU memory, all but the
+        optimizers' tensors now (a collective, as the synchronous save), those by each rank's
+        writer thread before the next optimizer step, which then writes (DCP, each rank's
+        slices) and publishes (rank 0) while training goes on."""
         wait_in_flight()  # one in flight at most: the last one is published first
         if self._stager is None:
             cuda = self.info.device.type == "cuda"
             self._stager = DefaultStager(StagingOptions(cuda, False, False, False))
         payload = self.payload()
-        slices = future = None
+        deferred, later, seen = self._deferred(), list[torch.Tensor](), dict[Any, int]()
+        staged: dict[str, Any] = {}
+        slices = None
         if self.sliced:
             name = broadcast_object(uuid.uuid4().hex[:12] if self.info.is_main else None, self.info)
             payload["slices"] = name
             slices = slices_of(path, payload)
-            future = self._slices_async(slices.with_name(name + ".tmp"))
-        publish = stage = None
+            if self._group is None and self.info.distributed:  # a collective: every rank, once
+                self._group = dist.new_group(backend="gloo")  # not the training's group
+            state = {n: part.state_dict() for n, part in self.sliced.items()}
+            staged["slices"] = self._stager.stage(_defer(state, deferred, later, seen))
         if self.info.is_main:
-            later: list[torch.Tensor] = []
-            staged = self._stager.stage(_defer(payload, self._deferred(), later, {}))
-            assert isinstance(staged, dict)  # use_async_staging off: staged here, now
-            stage = self._copy_later(later, staged)
-
-            def publish() -> None:
-                if future is not None and slices is not None:
-                    future.result()  # every rank's slices, then the metadata, written
-                    os.replace(slices.with_name(slices.name + ".tmp"), slices)
-                    _fsync_dir(slices.parent)
-                self._publish(staged, path, written, epochs_done)
-
-        _IN_FLIGHT.append(_InFlight(future, publish, stage))
+            staged["file"] = self._stager.stage(_defer(payload, deferred, later, seen))
+        if staged:
+            write = self._write_async(staged, slices, path, written, epochs_done)
+            _IN_FLIGHT.append(_InFlight(write, self._copy_later(later, list(staged.values()))))
+        else:
+            _IN_FLIGHT.append(_InFlight(None))
         return Saved(path, written, slices)
 
-    def _copy_later(self, later: list[torch.Tensor], staged: dict[str, Any]) -> Callable[[], None]:
-        """The writer thread's first task: the optimizers' tensors copied into CPU buffers kept
-        from save to save (pinned, on a stream of their own, on CUDA) and put in ``staged``; the
-        optimizers' next step waits for it (``_before_step``), so nothing later leaks in."""
+    def _write_async(
+        self,
+        staged: dict[str, Any],
+        slices: Path | None,
+        path: Path,
+        written: dict[str, Path],
+        epochs_done: int | None,
+    ) -> Callable[[], None]:
+        """The writer thread's second task: this rank's slices into ``<slices>.tmp`` (DCP, a
+        collective of the writer threads on their own gloo group), renamed by rank 0 once every
+        rank's and the metadata are in place; then rank 0's files."""
+
+        def write() -> None:
+            if slices is not None:
+                tmp = slices.with_name(slices.name + ".tmp")
+                dcp.save(
+                    staged["slices"],
+                    checkpoint_id=tmp,
+                    process_group=self._group,
+                    no_dist=not self.info.distributed,
+                )  # returns once the metadata, written last, is in place
+                if self.info.is_main:
+                    os.replace(tmp, slices)
+                    _fsync_dir(slices.parent)
+            if "file" in staged:
+                self._publish(staged["file"], path, written, epochs_done)
+
+        return write
+
+    def _copy_later(self, later: list[torch.Tensor], staged: list[Any]) -> Callable[[], None]:
+        """The writer thread's first task: the optimizers' tensors (each rank's slice of a
+        DTensor) copied into CPU buffers kept from save to save (pinned, on a stream of their
+        own, on CUDA) and put in ``staged``; the optimizers' next step waits for it
+        (``_before_step``), so nothing later leaks in. ``Tensor.copy_`` releases the GIL."""
         cuda = self.info.device.type == "cuda"
         if cuda and later:
             self._stream = self._stream or torch.cuda.Stream(self.info.device)
             self._stream.wait_stream(torch.cuda.current_stream(self.info.device))  # step S's
-        for k, t in enumerate(later):
+        sources = [_local(t) for t in later]
+        for k, t in enumerate(sources):
             if k == len(self._later):
                 self._later.append(torch.empty(0))
             old = self._later[k]
@@ -461,28 +508,15 @@ class Checkpointer:
 
         def stage() -> None:
             with torch.no_grad(), torch.cuda.stream(self._stream) if cuda else nullcontext():
-                for dst, src in zip(copies, later, strict=True):
+                for dst, src in zip(copies, sources, strict=True):
                     dst.copy_(src, non_blocking=cuda)
             if cuda and later:
                 self._stream.synchronize()
-            _fill(staged, copies)
+            filled = [_laid_out(c, t) for c, t in zip(copies, later, strict=True)]
+            for tree in staged:
+                _fill(tree, filled)
 
         return stage
-
-    def _slices_async(self, tmp: Path) -> Future:
-        """Every rank's slices staged to CPU now, written by DCP's thread into ``tmp``."""
-        if self._group is None and self.info.distributed:  # a collective: every rank, once
-            self._group = dist.new_group(backend="gloo")  # not the training's group
-        state = {n: part.state_dict() for n, part in self.sliced.items()}
-        future = dcp.async_save(
-            state,
-            checkpoint_id=tmp,
-            process_group=self._group,
-            async_stager=self._stager,
-            no_dist=not self.info.distributed,
-        )
-        assert isinstance(future, Future)
-        return future
 
     def wait(self) -> None:
         """The save in flight (checkpoint.async_save) written and published, on this rank."""
