@@ -18,12 +18,12 @@ run's world size, whatever it was at save. A directory no checkpoint names is de
 
 ``checkpoint.async_save=true``: ``save`` copies to CPU memory at the step boundary what the next
 step's forward and backward can change (the buffers) and every small part (DCP's stager, pinned
-on CUDA, its buffers reused from save to save), the sliced parts through ``dcp.async_save`` on a
-gloo group of its own, and returns; rank 0's writer thread then copies the optimizer's
-parameters and state (only its ``step`` changes them: that step waits for the copy, a step
-pre-hook) and writes and publishes the files in the same order and the same atomic way while
-training goes on. One save is in flight at most: the next ``save`` waits for it, and so do
-``close`` (the end of ``fit``, a preemption stop, an exception) and ``restore``.
+on CUDA, its buffers reused from save to save), and returns; each rank's writer thread then
+copies the optimizers' parameters and state (only their ``step`` changes them: that step waits
+for the copy, a step pre-hook; under FSDP2 each rank's slices), writes the sliced parts (DCP, on
+a gloo group of its own) and, on rank 0, publishes the files in the same order and the same
+atomic way while training goes on. One save is in flight at most: the next ``save`` waits for
+it, and so do ``close`` (the end of ``fit``, a preemption stop, an exception) and ``restore``.
 """
 
 from __future__ import annotations
