@@ -532,7 +532,7 @@ class Checkpointer:
         """The end of training (the loop's end, a preemption stop, an exception): the save in
         flight written and published, then (a clean end) every rank past that point together.
         After a failed collective (``broken``) a write of slices is dropped (it needs every
-        rank's DCP thread; the next launch deletes its directory); rank 0's file is finished."""
+        rank's writer thread; the next launch deletes its directory); rank 0's file is finished."""
         if not self.cfg.async_save:
             return
         for hook in self._hooks:
