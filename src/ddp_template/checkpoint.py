@@ -19,11 +19,12 @@ run's world size, whatever it was at save. A directory no checkpoint names is de
 ``checkpoint.async_save=true``: ``save`` copies to CPU memory at the step boundary what the next
 step's forward and backward can change (the buffers) and every small part (DCP's stager, pinned
 on CUDA, its buffers reused from save to save), and returns; each rank's writer thread then
-copies the optimizers' parameters and state (only their ``step`` changes them: that step waits
-for the copy, a step pre-hook; under FSDP2 each rank's slices), writes the sliced parts (DCP, on
-a gloo group of its own) and, on rank 0, publishes the files in the same order and the same
-atomic way while training goes on. One save is in flight at most: the next ``save`` waits for
-it, and so do ``close`` (the end of ``fit``, a preemption stop, an exception) and ``restore``.
+copies the steppers' (torch.optim's objects') parameters and state (only their ``step``
+changes them: that step waits for the copy, a step pre-hook; under FSDP2 each rank's slices),
+writes the sliced parts (DCP, on a gloo group of its own) and, on rank 0, publishes the files in
+the same order and the same atomic way while training goes on. One save is in flight at most:
+the next ``save`` waits for it, and so do ``close`` (the end of ``fit``, a preemption stop, an
+exception) and ``restore``.
 """
 
 from __future__ import annotations
@@ -99,10 +100,10 @@ def _fsync_dir(directory: Path) -> None:
 
 class _InFlight:
     """The one asynchronous save of this process still being written: this rank's writer
-    thread, which first copies the optimizers' tensors (``stage``: ``staged`` is set once they
+    thread, which first copies the steppers' tensors (``stage``: ``staged`` is set once they
     are copied, or the copy failed), then writes this rank's slices (DCP) and, on rank 0,
     publishes the files (``write``), with the error met. ``stalled``: the seconds the training
-    thread waited for ``staged`` before an optimizer step."""
+    thread waited for ``staged`` before a stepper's step."""
 
     def __init__(
         self, write: Callable[[], None] | None, stage: Callable[[], None] | None = None
@@ -126,7 +127,7 @@ class _InFlight:
                 if stage is not None:
                     stage()
             finally:
-                self.staged.set()  # an optimizer step may go on (a failed copy: raised later)
+                self.staged.set()  # a stepper's step may go on (a failed copy: raised later)
             write()
         except BaseException as exc:  # met by the next wait, on the training thread
             self.errors.append(exc)
@@ -154,8 +155,12 @@ WRITER_NICE = 0
 _IN_FLIGHT: list[_InFlight] = []
 
 
-def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """An optimizer's step pre-hook (checkpoint.async_save): the step waits until the save in
+# What a stepper has (torch.optim's interface): its parameters, its state, a step pre-hook.
+STEPPER = ("param_groups", "state", "register_step_pre_hook")
+
+
+def _before_step(stepper: Any, args: Any, kwargs: Any) -> None:
+    """A stepper's step pre-hook (checkpoint.async_save): the step waits until the save in
     flight has copied the tensors it is about to change."""
     for flight in _IN_FLIGHT:
         flight.wait_staged()
@@ -181,7 +186,7 @@ def _laid_out(copy: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class _Later(NamedTuple):
-    """A staged payload's place of an optimizer's tensor, copied by the writer thread."""
+    """A staged payload's place of a stepper's tensor, copied by the writer thread."""
 
     slot: int
 
@@ -338,28 +343,32 @@ class Checkpointer:
     _named: dict[str, str | None] | None = None  # each checkpoint file's slices, once read
     _stager: DefaultStager | None = None  # checkpoint.async_save: the CPU copies, reused
     _group: Any = None  # checkpoint.async_save with sliced parts: DCP's own gloo group
-    _later: list[torch.Tensor] = field(default_factory=list)  # the optimizers' tensors' copies
-    _stream: Any = None  # CUDA: the stream the optimizers' tensors are copied on
-    _hooks: list[Any] = field(default_factory=list)  # the optimizers' step pre-hooks
+    _later: list[torch.Tensor] = field(default_factory=list)  # the steppers' tensors' copies
+    _stream: Any = None  # CUDA: the stream the steppers' tensors are copied on
+    _hooks: list[Any] = field(default_factory=list)  # the steppers' step pre-hooks
 
     def __post_init__(self) -> None:
-        if self.cfg.enabled and self.cfg.async_save:  # an optimizer step waits for the copy
-            self._hooks = [o.register_step_pre_hook(_before_step) for o in self._optimizers()]
+        if self.cfg.enabled and self.cfg.async_save:  # a stepper's step waits for the copy
+            self._hooks = [o.register_step_pre_hook(_before_step) for o in self._steppers()]
 
-    def _optimizers(self) -> list[torch.optim.Optimizer]:
-        """The parts that are optimizers, or hold one (FSDP2's slices of one): only their
-        ``step`` changes their tensors and their parameters, so these are copied after ``save``
-        returns, before that step."""
-        held = [getattr(p, "optimizer", p) for p in (*self.parts.values(), *self.sliced.values())]
-        found = {id(o): o for o in held if isinstance(o, torch.optim.Optimizer)}
-        return list(found.values())  # the LR schedule holds the optimizer too: once
+    def _steppers(self) -> list[Any]:
+        """The steppers among the parts and what each part holds: torch.optim's objects, by
+        their interface (``STEPPER``; FSDP2's part of slices holds one, so does the LR
+        schedule: each found once). Only their ``step`` changes their tensors and their
+        parameters, so these are copied after ``save`` returns, before that step."""
+        found = {}
+        for part in (*self.parts.values(), *self.sliced.values()):
+            for held in (part, *getattr(part, "__dict__", {}).values()):
+                if all(hasattr(held, name) for name in STEPPER):
+                    found[id(held)] = held
+        return list(found.values())
 
     def _deferred(self) -> set[int]:
-        """The storages (their addresses) of the optimizers' parameters and state."""
-        tensors = [p for o in self._optimizers() for g in o.param_groups for p in g["params"]]
+        """The storages (their addresses) of the steppers' parameters and state."""
+        tensors = [p for o in self._steppers() for g in o.param_groups for p in g["params"]]
         tensors += [
             v
-            for o in self._optimizers()
+            for o in self._steppers()
             for s in o.state.values()
             for v in s.values()
             if isinstance(v, torch.Tensor)
@@ -431,8 +440,8 @@ class Checkpointer:
 
     def _save_async(self, path: Path, written: dict[str, Path], epochs_done: int | None) -> Saved:
         """checkpoint.async_save: the state of this step copied to CPU memory, all but the
-        optimizers' tensors now (a collective, as the synchronous save), those by each rank's
-        writer thread before the next optimizer step, which then writes (DCP, each rank's
+        steppers' tensors now (a collective, as the synchronous save), those by each rank's
+        writer thread before the next step of a stepper, which then writes (DCP, each rank's
         slices) and publishes (rank 0) while training goes on."""
         wait_in_flight()  # one in flight at most: the last one is published first
         if self._stager is None:
@@ -489,9 +498,9 @@ class Checkpointer:
         return write
 
     def _copy_later(self, later: list[torch.Tensor], staged: list[Any]) -> Callable[[], None]:
-        """The writer thread's first task: the optimizers' tensors (each rank's slice of a
+        """The writer thread's first task: the steppers' tensors (each rank's slice of a
         DTensor) copied into CPU buffers kept from save to save (pinned, on a stream of their
-        own, on CUDA) and put in ``staged``; the optimizers' next step waits for it
+        own, on CUDA) and put in ``staged``; the steppers' next step waits for it
         (``_before_step``), so nothing later leaks in. ``Tensor.copy_`` releases the GIL."""
         cuda = self.info.device.type == "cuda"
         if cuda and later:
