@@ -167,6 +167,9 @@ def report(args: Any, rows: list[dict[str, Any]], n_params: int, state_mb: float
     block_ratio = [r["async_block"] / r["sync_block"] for r in rows]
     step_ratio = [mean(r["during"]) / mean(r["after"]) for r in rows if r["during"]]
     first_ratio = [r["during"][0] / mean(r["after"]) for r in rows if r["during"]]
+    # what the steps beside the copy and write lost to it, summed: the rest of a save's cost
+    extra = [sum(r["during"]) - len(r["during"]) * mean(r["after"]) for r in rows]
+    total = [(r["async_block"] + x) / r["sync_block"] for r, x in zip(rows, extra, strict=True)]
     floor = [mean(r["before"]) / mean(r["after"]) for r in rows]
     load = os.getloadavg()
     lines = [
@@ -201,6 +204,9 @@ def report(args: Any, rows: list[dict[str, Any]], n_params: int, state_mb: float
         f"| the first step after save() (beside the copy, its wait included) / after | "
         f"{_spread(first_ratio)} |",
         f"| A/A: step time before / after (no write in either) | {_spread(floor)} |",
+        f"| the steps beside the copy and write: time lost, summed (s) | {_spread(extra)} |",
+        f"| async (blocking + that) / sync blocking: the loop's whole cost of a save | "
+        f"{_spread(total)} |",
         f"| step time, no write (s) | {_spread([mean(r['after']) for r in rows])} |",
     ]
     text = "\n".join(lines)
