@@ -10,9 +10,13 @@ round, in an order that alternates:
 
 * **sync**: ``save()`` with ``checkpoint.async_save=false``: the time it blocks (the whole write:
   torch.save, fsync, rename);
-* **async**: ``save()`` with ``async_save=true``: the time it blocks (the copy to CPU memory),
-  then the steps that run while the writer thread writes (``during``), timed one by one until
-  the write is published, and as many steps with no write (``after``), paired;
+* **async**: ``save()`` with ``async_save=true``: the time the loop is stalled by it, i.e. the
+  ``save()`` call (the small parts copied, the rest handed to the writer thread) plus the wait
+  in the next optimizer step's pre-hook for the writer thread's copy of the weights and the
+  optimizer's state (``_InFlight.stalled``); then the steps that run while the writer thread
+  copies and writes (``during``, the first of them the one whose forward and backward run beside
+  the copy), timed one by one until the write is published, and as many steps with no write
+  (``after``), paired;
 * **A/A**: the steps before the round's saves (``before``) against ``after``: two sets of steps
   with no write, the floor any step-time ratio has to clear on a shared machine.
 
@@ -42,17 +46,6 @@ from ddp_template.config.schema import CheckpointConfig  # noqa: E402
 from ddp_template.distributed import DistInfo  # noqa: E402
 from ddp_template.models import weights_part  # noqa: E402
 from ddp_template.optional.gpt.model import gpt  # noqa: E402
-
-
-class OptimizerPart:
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
 
 
 def main() -> None:
@@ -110,7 +103,7 @@ def main() -> None:
         return ck.Checkpointer(
             directory=where / ("async" if async_save else "sync"),
             cfg=CheckpointConfig(async_save=async_save),
-            parts={"model": weights_part(model), "optimizer": OptimizerPart(opt)},
+            parts={"model": weights_part(model), "optimizer": opt},  # parallel=ddp's parts
             config_yaml="",
             info=info,
         )
@@ -135,7 +128,7 @@ def main() -> None:
                 continue
             t0, c0 = time.perf_counter(), time.thread_time()
             asyn.save()
-            row["async_block"] = time.perf_counter() - t0
+            row["async_call"] = time.perf_counter() - t0
             row["async_cpu"] = time.thread_time() - c0
             (flight,) = ck._IN_FLIGHT
             during = []
@@ -143,6 +136,8 @@ def main() -> None:
                 during.append(step())
             row["write_s"] = time.perf_counter() - t0
             asyn.wait()
+            row["async_stall"] = flight.stalled  # the next optimizer step's wait for the copy
+            row["async_block"] = row["async_call"] + flight.stalled
             row["during"] = during
             row["after"] = [step() for _ in range(max(2, len(during)))]
         t0 = time.perf_counter()
@@ -152,7 +147,8 @@ def main() -> None:
         rows.append(row)
         print(
             f"round {r}: sync blocks {row['sync_block']:.3f} s, async blocks "
-            f"{row['async_block']:.3f} s (write {row['write_s']:.2f} s, "
+            f"{row['async_block']:.3f} s (save() {row['async_call']:.3f} s + the optimizer "
+            f"step's wait {row['async_stall']:.3f} s; write {row['write_s']:.2f} s, "
             f"{len(row['during'])} steps beside it: {statistics.mean(row['during']):.3f} s vs "
             f"{statistics.mean(row['after']):.3f} s after, {statistics.mean(before):.3f} s before)",
             flush=True,
@@ -170,6 +166,10 @@ def report(args: Any, rows: list[dict[str, Any]], n_params: int, state_mb: float
     mean = statistics.mean
     block_ratio = [r["async_block"] / r["sync_block"] for r in rows]
     step_ratio = [mean(r["during"]) / mean(r["after"]) for r in rows if r["during"]]
+    first_ratio = [r["during"][0] / mean(r["after"]) for r in rows if r["during"]]
+    # what the steps beside the copy and write lost to it, summed: the rest of a save's cost
+    extra = [sum(r["during"]) - len(r["during"]) * mean(r["after"]) for r in rows]
+    total = [(r["async_block"] + x) / r["sync_block"] for r, x in zip(rows, extra, strict=True)]
     floor = [mean(r["before"]) / mean(r["after"]) for r in rows]
     load = os.getloadavg()
     lines = [
@@ -184,11 +184,15 @@ def report(args: Any, rows: list[dict[str, Any]], n_params: int, state_mb: float
         "| quantity | median (min–max) over rounds |",
         "|---|---|",
         f"| sync save: blocks the loop (s) | {_spread([r['sync_block'] for r in rows])} |",
-        f"| async save: blocks the loop (s) | {_spread([r['async_block'] for r in rows])} |",
-        f"| async / sync blocking | {_spread(block_ratio)} |",
+        f"| async save: blocks the loop (s): save() + the next optimizer step's wait | "
+        f"{_spread([r['async_block'] for r in rows])} |",
+        f"| of which the save() call (s) | {_spread([r['async_call'] for r in rows])} |",
+        f"| of which the next optimizer step's wait for the copy (s) | "
+        f"{_spread([r['async_stall'] for r in rows])} |",
+        f"| **async / sync blocking** | {_spread(block_ratio)} |",
         f"| sync save: CPU time of the training thread (s) | "
         f"{_spread([r['sync_cpu'] for r in rows])} |",
-        f"| async save: CPU time of the training thread (s) | "
+        f"| async save() call: CPU time of the training thread (s) | "
         f"{_spread([r['async_cpu'] for r in rows])} |",
         f"| async / sync, CPU time | {_spread([r['async_cpu'] / r['sync_cpu'] for r in rows])} |",
         f"| one memcpy of the state's bytes (s): the copy's floor | "
@@ -196,8 +200,13 @@ def report(args: Any, rows: list[dict[str, Any]], n_params: int, state_mb: float
         f"| async: the background write, save to published (s) | "
         f"{_spread([r['write_s'] for r in rows])} |",
         f"| steps beside the write | {_spread([len(r['during']) for r in rows], '{:.0f}')} |",
-        f"| step time beside the write / after it (paired) | {_spread(step_ratio)} |",
+        f"| step time beside the copy and write / after it (paired) | {_spread(step_ratio)} |",
+        f"| the first step after save() (beside the copy, its wait included) / after | "
+        f"{_spread(first_ratio)} |",
         f"| A/A: step time before / after (no write in either) | {_spread(floor)} |",
+        f"| the steps beside the copy and write: time lost, summed (s) | {_spread(extra)} |",
+        f"| async (blocking + that) / sync blocking: the loop's whole cost of a save | "
+        f"{_spread(total)} |",
         f"| step time, no write (s) | {_spread([mean(r['after']) for r in rows])} |",
     ]
     text = "\n".join(lines)

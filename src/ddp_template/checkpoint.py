@@ -16,25 +16,30 @@ through torch.distributed.checkpoint (DCP) instead: one file per rank in
 the ``.pt`` file names that directory (``"slices"``). DCP lays them out again on load, at this
 run's world size, whatever it was at save. A directory no checkpoint names is deleted.
 
-``checkpoint.async_save=true``: ``save`` copies every part to CPU memory at the step boundary
-(pinned on CUDA; DCP's own stager, its buffers reused from save to save), the sliced parts
-through ``dcp.async_save`` on a gloo group of its own, and returns; rank 0's writer thread then
-writes and publishes the files in the same order and the same atomic way while training goes
-on. One save is in flight at most: the next ``save`` waits for it, and so does ``close`` (the
-end of ``fit``, a preemption stop, an exception).
+``checkpoint.async_save=true``: ``save`` copies to CPU memory at the step boundary what the next
+step's forward and backward can change (the buffers) and every small part (DCP's stager, pinned
+on CUDA, its buffers reused from save to save), and returns; each rank's writer thread then
+copies the steppers' (torch.optim's objects') parameters and state (only their ``step``
+changes them: that step waits for the copy, a step pre-hook; under FSDP2 each rank's slices),
+writes the sliced parts (DCP, on a gloo group of its own) and, on rank 0, publishes the files in
+the same order and the same atomic way while training goes on. One save is in flight at most:
+the next ``save`` waits for it, and so do ``close`` (the end of ``fit``, a preemption stop, an
+exception) and ``restore``.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
 import shutil
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -44,6 +49,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
 
 from ddp_template.config.schema import CheckpointConfig
 from ddp_template.distributed import DistInfo, broadcast_object, gather_objects
@@ -93,29 +99,46 @@ def _fsync_dir(directory: Path) -> None:
 
 
 class _InFlight:
-    """The one asynchronous save of this process still being written: this rank's DCP write
-    (``slices``) and rank 0's publication (``thread``), with the error either met."""
+    """The one asynchronous save of this process still being written: this rank's writer
+    thread, which first copies the steppers' tensors (``stage``: ``staged`` is set once they
+    are copied, or the copy failed), then writes this rank's slices (DCP) and, on rank 0,
+    publishes the files (``write``), with the error met. ``stalled``: the seconds the training
+    thread waited for ``staged`` before a stepper's step."""
 
-    def __init__(self, slices: Future | None, publish: Callable[[], None] | None) -> None:
-        self.slices, self.errors = slices, list[BaseException]()
+    def __init__(
+        self, write: Callable[[], None] | None, stage: Callable[[], None] | None = None
+    ) -> None:
+        self.errors = list[BaseException]()
+        self.staged, self.stalled = threading.Event(), 0.0
         self.thread = None
-        if publish is not None:
-            self.thread = threading.Thread(
-                target=self._run, args=(publish,), name="checkpoint-writer", daemon=True
-            )
-            self.thread.start()
+        if write is None:
+            self.staged.set()
+            return
+        self.thread = threading.Thread(
+            target=self._run, args=(stage, write), name="checkpoint-writer", daemon=True
+        )
+        self.thread.start()
 
-    def _run(self, publish: Callable[[], None]) -> None:
+    def _run(self, stage: Callable[[], None] | None, write: Callable[[], None]) -> None:
         try:
             if WRITER_NICE and hasattr(os, "setpriority"):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-            publish()
+            try:
+                if stage is not None:
+                    stage()
+            finally:
+                self.staged.set()  # a stepper's step may go on (a failed copy: raised later)
+            write()
         except BaseException as exc:  # met by the next wait, on the training thread
             self.errors.append(exc)
 
+    def wait_staged(self) -> None:
+        if not self.staged.is_set():
+            t0 = time.perf_counter()
+            self.staged.wait()
+            self.stalled += time.perf_counter() - t0
+
     def wait(self) -> None:
-        if self.slices is not None:
-            self.slices.result()
         if self.thread is not None:
             self.thread.join()
         if self.errors:
@@ -130,6 +153,86 @@ WRITER_NICE = 0
 # At most one save in flight per process (a live regroup builds a new Checkpointer: its first
 # save still waits for the last one's).
 _IN_FLIGHT: list[_InFlight] = []
+
+
+# What a stepper has (torch.optim's interface): its parameters, its state, a step pre-hook.
+STEPPER = ("param_groups", "state", "register_step_pre_hook")
+
+
+def _before_step(stepper: Any, args: Any, kwargs: Any) -> None:
+    """A stepper's step pre-hook (checkpoint.async_save): the step waits until the save in
+    flight has copied the tensors it is about to change."""
+    for flight in _IN_FLIGHT:
+        flight.wait_staged()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor, or this rank's slice of a DTensor (``parallel=fsdp2``)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _laid_out(copy: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The copy of ``like``'s (local) data, laid out as ``like`` is (a DTensor: as its slice)."""
+    if not isinstance(like, DTensor):
+        return copy
+    return DTensor.from_local(
+        copy,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+class _Later(NamedTuple):
+    """A staged payload's place of a stepper's tensor, copied by the writer thread."""
+
+    slot: int
+
+
+def _defer(obj: Any, deferred: set[int], later: list[torch.Tensor], seen: dict) -> Any:
+    """``obj``'s structure copied, each tensor whose storage is in ``deferred`` replaced by a
+    ``_Later`` (one per tensor view: a tied weight stays one) and appended to ``later``."""
+    if isinstance(obj, torch.Tensor):
+        local = _local(obj)
+        if local.untyped_storage().data_ptr() not in deferred:
+            return obj
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), obj.shape, obj.stride())
+        if key not in seen:
+            seen[key] = len(later)
+            later.append(obj)
+        return _Later(seen[key])
+    if isinstance(obj, dict):
+        new = copy.copy(obj)  # its type and attributes (a state_dict's _metadata)
+        for k, v in obj.items():
+            new[k] = _defer(v, deferred, later, seen)
+        return new
+    if isinstance(obj, list | tuple) and not isinstance(obj, _Later):
+        items = [_defer(v, deferred, later, seen) for v in obj]
+        if isinstance(obj, list):
+            return items
+        if all(a is b for a, b in zip(items, obj, strict=True)):
+            return obj
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def _fill(obj: Any, copies: list[torch.Tensor]) -> Any:
+    """``_defer``'s places filled with the copies, in place where the container allows."""
+    if isinstance(obj, _Later):
+        return copies[obj.slot]
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            obj[k] = _fill(v, copies)
+        return obj
+    if isinstance(obj, list):
+        obj[:] = [_fill(v, copies) for v in obj]
+        return obj
+    if isinstance(obj, tuple):
+        items = [_fill(v, copies) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
 
 
 def wait_in_flight() -> None:
@@ -240,6 +343,37 @@ class Checkpointer:
     _named: dict[str, str | None] | None = None  # each checkpoint file's slices, once read
     _stager: DefaultStager | None = None  # checkpoint.async_save: the CPU copies, reused
     _group: Any = None  # checkpoint.async_save with sliced parts: DCP's own gloo group
+    _later: list[torch.Tensor] = field(default_factory=list)  # the steppers' tensors' copies
+    _stream: Any = None  # CUDA: the stream the steppers' tensors are copied on
+    _hooks: list[Any] = field(default_factory=list)  # the steppers' step pre-hooks
+
+    def __post_init__(self) -> None:
+        if self.cfg.enabled and self.cfg.async_save:  # a stepper's step waits for the copy
+            self._hooks = [o.register_step_pre_hook(_before_step) for o in self._steppers()]
+
+    def _steppers(self) -> list[Any]:
+        """The steppers among the parts and what each part holds: torch.optim's objects, by
+        their interface (``STEPPER``; FSDP2's part of slices holds one, so does the LR
+        schedule: each found once). Only their ``step`` changes their tensors and their
+        parameters, so these are copied after ``save`` returns, before that step."""
+        found = {}
+        for part in (*self.parts.values(), *self.sliced.values()):
+            for held in (part, *getattr(part, "__dict__", {}).values()):
+                if all(hasattr(held, name) for name in STEPPER):
+                    found[id(held)] = held
+        return list(found.values())
+
+    def _deferred(self) -> set[int]:
+        """The storages (their addresses) of the steppers' parameters and state."""
+        tensors = [p for o in self._steppers() for g in o.param_groups for p in g["params"]]
+        tensors += [
+            v
+            for o in self._steppers()
+            for s in o.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        ]
+        return {_local(t).untyped_storage().data_ptr() for t in tensors}
 
     def payload(self, ranks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """What a checkpoint holds; ``ranks``: every rank's parts, already gathered (a live
@@ -258,6 +392,7 @@ class Checkpointer:
         return payload
 
     def restore(self, found: Found, *, resized: bool = False) -> None:
+        wait_in_flight()  # a live regroup's: the parameters are copied before they are loaded
         _check_layout(bool(self.sliced), found)
         restore(
             found, parts=self.parts, rank_parts=self.rank_parts, info=self.info, resized=resized
@@ -304,49 +439,93 @@ class Checkpointer:
             self._prune_slices(payload["slices"], files)
 
     def _save_async(self, path: Path, written: dict[str, Path], epochs_done: int | None) -> Saved:
-        """checkpoint.async_save: the state of this step copied to CPU memory (a collective, as
-        the synchronous save), then written and published by rank 0's thread (and each rank's
-        DCP thread) while training goes on."""
+        """checkpoint.async_save: the state of this step copied to CPU memory, all but the
+        steppers' tensors now (a collective, as the synchronous save), those by each rank's
+        writer thread before the next step of a stepper, which then writes (DCP, each rank's
+        slices) and publishes (rank 0) while training goes on."""
         wait_in_flight()  # one in flight at most: the last one is published first
         if self._stager is None:
             cuda = self.info.device.type == "cuda"
             self._stager = DefaultStager(StagingOptions(cuda, False, False, False))
         payload = self.payload()
-        slices = future = None
+        deferred, later, seen = self._deferred(), list[torch.Tensor](), dict[Any, int]()
+        staged: dict[str, Any] = {}
+        slices = None
         if self.sliced:
             name = broadcast_object(uuid.uuid4().hex[:12] if self.info.is_main else None, self.info)
             payload["slices"] = name
             slices = slices_of(path, payload)
-            future = self._slices_async(slices.with_name(name + ".tmp"))
-        publish = None
+            if self._group is None and self.info.distributed:  # a collective: every rank, once
+                self._group = dist.new_group(backend="gloo")  # not the training's group
+            state = {n: part.state_dict() for n, part in self.sliced.items()}
+            staged["slices"] = self._stager.stage(_defer(state, deferred, later, seen))
         if self.info.is_main:
-            staged = self._stager.stage(payload)  # deep copies: nothing later leaks in
-            assert isinstance(staged, dict)  # use_async_staging off: staged here, now
-
-            def publish() -> None:
-                if future is not None and slices is not None:
-                    future.result()  # every rank's slices, then the metadata, written
-                    os.replace(slices.with_name(slices.name + ".tmp"), slices)
-                    _fsync_dir(slices.parent)
-                self._publish(staged, path, written, epochs_done)
-
-        _IN_FLIGHT.append(_InFlight(future, publish))
+            staged["file"] = self._stager.stage(_defer(payload, deferred, later, seen))
+        if staged:
+            write = self._write_async(staged, slices, path, written, epochs_done)
+            _IN_FLIGHT.append(_InFlight(write, self._copy_later(later, list(staged.values()))))
+        else:
+            _IN_FLIGHT.append(_InFlight(None))
         return Saved(path, written, slices)
 
-    def _slices_async(self, tmp: Path) -> Future:
-        """Every rank's slices staged to CPU now, written by DCP's thread into ``tmp``."""
-        if self._group is None and self.info.distributed:  # a collective: every rank, once
-            self._group = dist.new_group(backend="gloo")  # not the training's group
-        state = {n: part.state_dict() for n, part in self.sliced.items()}
-        future = dcp.async_save(
-            state,
-            checkpoint_id=tmp,
-            process_group=self._group,
-            async_stager=self._stager,
-            no_dist=not self.info.distributed,
-        )
-        assert isinstance(future, Future)
-        return future
+    def _write_async(
+        self,
+        staged: dict[str, Any],
+        slices: Path | None,
+        path: Path,
+        written: dict[str, Path],
+        epochs_done: int | None,
+    ) -> Callable[[], None]:
+        """The writer thread's second task: this rank's slices into ``<slices>.tmp`` (DCP, a
+        collective of the writer threads on their own gloo group), renamed by rank 0 once every
+        rank's and the metadata are in place; then rank 0's files."""
+
+        def write() -> None:
+            if slices is not None:
+                tmp = slices.with_name(slices.name + ".tmp")
+                dcp.save(
+                    staged["slices"],
+                    checkpoint_id=tmp,
+                    process_group=self._group,
+                    no_dist=not self.info.distributed,
+                )  # returns once the metadata, written last, is in place
+                if self.info.is_main:
+                    os.replace(tmp, slices)
+                    _fsync_dir(slices.parent)
+            if "file" in staged:
+                self._publish(staged["file"], path, written, epochs_done)
+
+        return write
+
+    def _copy_later(self, later: list[torch.Tensor], staged: list[Any]) -> Callable[[], None]:
+        """The writer thread's first task: the steppers' tensors (each rank's slice of a
+        DTensor) copied into CPU buffers kept from save to save (pinned, on a stream of their
+        own, on CUDA) and put in ``staged``; the steppers' next step waits for it
+        (``_before_step``), so nothing later leaks in. ``Tensor.copy_`` releases the GIL."""
+        cuda = self.info.device.type == "cuda"
+        if cuda and later:
+            self._stream = self._stream or torch.cuda.Stream(self.info.device)
+            self._stream.wait_stream(torch.cuda.current_stream(self.info.device))  # step S's
+        sources = [_local(t) for t in later]
+        for k, t in enumerate(sources):
+            if k == len(self._later):
+                self._later.append(torch.empty(0))
+            old = self._later[k]
+            if old.shape != t.shape or old.dtype != t.dtype:
+                self._later[k] = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+        copies = self._later[: len(later)]
+
+        def stage() -> None:
+            with torch.no_grad(), torch.cuda.stream(self._stream) if cuda else nullcontext():
+                for dst, src in zip(copies, sources, strict=True):
+                    dst.copy_(src, non_blocking=cuda)
+            if cuda and later:
+                self._stream.synchronize()
+            filled = [_laid_out(c, t) for c, t in zip(copies, later, strict=True)]
+            for tree in staged:
+                _fill(tree, filled)
+
+        return stage
 
     def wait(self) -> None:
         """The save in flight (checkpoint.async_save) written and published, on this rank."""
@@ -362,9 +541,12 @@ class Checkpointer:
         """The end of training (the loop's end, a preemption stop, an exception): the save in
         flight written and published, then (a clean end) every rank past that point together.
         After a failed collective (``broken``) a write of slices is dropped (it needs every
-        rank's DCP thread; the next launch deletes its directory); rank 0's file is finished."""
+        rank's writer thread; the next launch deletes its directory); rank 0's file is finished."""
         if not self.cfg.async_save:
             return
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         if broken and self.sliced:
             log.warning("a checkpoint write in flight was dropped: the ranks' group broke")
             _IN_FLIGHT.clear()

@@ -194,8 +194,10 @@ class CheckpointConfig:
     every_steps: int = 0  # also save every N optimizer steps (0: at epoch ends only)
     keep: int = 0  # keep this many epoch_<k>.pt files besides last.pt (0: none)
     enabled: bool = True
-    # Copy the state to CPU memory at the step boundary and write it in a background thread
-    # while training goes on (``async`` is Python's keyword): one save in flight at most.
+    # Copy the small state and the buffers to CPU memory at the step boundary; the weights and
+    # the optimizer's state are copied by a background thread before the next optimizer step,
+    # which waits for it, then written there while training goes on (``async`` is Python's
+    # keyword): one save in flight at most. Off: a checkpoint is durable when ``save`` returns.
     async_save: bool = False
     # Steps between the (asynchronous) all-reduces that let all ranks agree on a preemption
     # signal: a signal stops the run within 2x this many steps, or at the epoch end.

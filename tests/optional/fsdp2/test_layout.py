@@ -1,9 +1,11 @@
 """parallel=fsdp2's layout, in-process and on spawned gloo ranks: what it refuses (one sentence
 each), which modules it shards, the bf16 policy, gradients held off the reduce-scatter on an
-accumulating micro-batch, and the clipped norm over every rank's slices."""
+accumulating micro-batch, and the clipped norm over every rank's slices; checkpoint.async_save's
+copy of each rank's slices before its next optimizer step."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import cpu_rank, free_port, join_gloo
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ddp_template.checks import check
 from ddp_template.config.boundary import typed
@@ -110,3 +114,98 @@ def test_bf16_forward_held_gradients_and_the_norm_over_every_slice(tmp_path: Pat
     assert row["slice_dtype"] == torch.float32 and row["held"]
     assert row["norm"] == pytest.approx(row["full_norm"], rel=1e-5) and row["norm"] > 1e-3
     assert row["clipped_norm"] == pytest.approx(1e-3, rel=1e-3)
+
+
+class Norm(torch.nn.Module):
+    """A GPT block's shape with a BatchNorm: buffers that the forward moves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.norm, self.out = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.inp(x)).relu())
+
+
+def whole_of(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def async_worker(rank: int, port: int, out: str) -> None:
+    """Each rank's writer thread held before it copies its slices; step S+1's forward and
+    backward run, its optimizer step is seen waiting; then the file and slices are step S's."""
+    from ddp_template.checkpoint import Checkpointer
+    from ddp_template.config.schema import CheckpointConfig
+    from ddp_template.models import weights_part
+    from ddp_template.optional.fsdp2.layout import OptimizerSlices
+
+    torch.set_num_threads(1)
+    join_gloo(rank, 2, port)
+    try:
+        layout = build_fsdp2(ParallelConfig(name="fsdp2"), cpu_rank(rank, 2, "gloo"), amp="off")
+        torch.manual_seed(0)
+        model = Norm()
+        layout.wrap(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        x = torch.randn(8, 16)  # the same batch on both ranks: their buffers alike
+        for _ in range(2):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        inside, release, deferred = threading.Event(), threading.Event(), []
+        copy_later = Checkpointer._copy_later
+
+        def held(self, later, staged):
+            deferred.append(sum(isinstance(t, DTensor) for t in later))
+            stage = copy_later(self, later, staged)
+
+            def hold() -> None:
+                inside.set()
+                assert release.wait(30)
+                stage()
+
+            return hold
+
+        Checkpointer._copy_later = held  # type: ignore[method-assign]  # this process's
+        ckpt = Checkpointer(
+            directory=Path(out),
+            cfg=CheckpointConfig(async_save=True),
+            parts={},
+            sliced={
+                "model": weights_part(model),
+                "optimizer": OptimizerSlices(module=model, optimizer=opt),
+            },
+            config_yaml="",
+            info=cpu_rank(rank, 2, "gloo"),
+        )
+        step_s = {k: whole_of(v).clone() for k, v in model.state_dict().items()}
+        ckpt.save()
+        assert inside.wait(30)
+        model(x).square().mean().backward()  # step S+1's: the BatchNorm statistics move
+        stepped = threading.Thread(target=opt.step)
+        stepped.start()
+        stepped.join(0.5)
+        waited = stepped.is_alive()
+        release.set()
+        stepped.join(30)
+        ckpt.close()
+        if rank == 0:
+            torch.save(
+                {"step_s": step_s, "waited": waited, "deferred": deferred}, Path(out) / "row.pt"
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_async_saves_copy_each_ranks_slices_before_its_next_optimizer_step(tmp_path: Path) -> None:
+    """checkpoint.async_save under FSDP2: the weights' and optimizer state's slices (DTensors)
+    are copied by each rank's writer thread while step S+1's forward and backward run, its
+    optimizer step waits for the copy, and the slices written are step S's, buffers included."""
+    from ddp_template.checkpoint import load, whole
+
+    mp.spawn(async_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    row = torch.load(tmp_path / "row.pt", weights_only=False)
+    assert row["waited"] and row["deferred"][0] >= 4  # the weights and exp_avg(_sq), as slices
+    saved = whole(tmp_path / "last.pt", load(tmp_path / "last.pt"), "model")
+    assert saved is not None and saved.keys() == row["step_s"].keys()
+    assert [k for k in saved if not torch.equal(saved[k], row["step_s"][k])] == []
