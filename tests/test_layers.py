@@ -318,3 +318,20 @@ def test_the_import_graph_has_no_cycle() -> None:
     }
     found = cycle_in(graph)
     assert found is None, "an import cycle: " + " → ".join(found)
+
+
+OWNS_MAX = 120  # characters: one clause a row; the detail lives in the sections below the map
+
+
+def test_each_owns_cell_is_one_clause() -> None:
+    """The map is read at a glance: each row's "owns" cell one short clause."""
+    lines = DOC.read_text().splitlines()
+    start = lines.index("## Module map")
+    long = []
+    for number, line in enumerate(lines[start + 1 :], start + 2):
+        if line.startswith("## "):
+            break
+        cells = [c.strip() for c in CELL.split(line)]
+        if len(cells) >= 5 and re.fullmatch(r"`[\w/]+\.py`", cells[1]) and len(cells[2]) > OWNS_MAX:
+            long.append(f"ARCHITECTURE.md:{number}: {cells[1]} owns {len(cells[2])} characters")
+    assert not long, f"owns cells over {OWNS_MAX} characters: {long}"
