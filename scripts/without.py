@@ -13,8 +13,9 @@ then runs pytest with the arguments given (none: the whole remaining suite).
 A folder's YAMLs are the ones under ``conf/`` that name its modules (a ``_target_``) or that a
 registry names by key (``parallel=fsdp2``, ``fault_tolerance=live``), and every
 YAML whose defaults list picks one of those (``experiment=lm_bytes`` picks ``data=corpus`` and
-``model=gpt``). Its tests are ``tests/optional/<folder>/`` and any test module that names its
-modules or one of its YAML options (``model=gpt``). The copy is a fresh folder per case holding
+``model=gpt``). Its tests are ``tests/optional/<folder>/``; a test elsewhere that also uses it
+says so (``@pytest.mark.needs("gpt")``) and is skipped where it is gone (tests/conftest.py).
+The copy is a fresh folder per case holding
 the files git tracks (and the untracked ones it does not ignore); the repository itself is never
 touched; the copy is made a git repository of its own, as a fresh clone is. Exit 0 when
 every case is green; one line per case either way.
@@ -99,20 +100,6 @@ def yamls_of(folders: set[str], conf: Path) -> list[Path]:
         gone |= more
 
 
-def tests_of(folders: set[str], options: set[tuple[str, str]], tests: Path) -> list[Path]:
-    """The folders' own test folders and every test module naming their modules or options."""
-    spelled = [re.escape(f"ddp_template.optional.{f}") for f in sorted(folders)]
-    spelled += [re.escape(f"{g}={o}") + r"\b" for g, o in sorted(options)]
-    names = re.compile("|".join(spelled))
-    own = [tests / "optional" / f for f in sorted(folders) if (tests / "optional" / f).is_dir()]
-    named = [
-        p
-        for p in sorted(tests.rglob("*.py"))
-        if not any(p.is_relative_to(o) for o in own) and names.search(p.read_text())
-    ]
-    return own + named
-
-
 def prepare(folders: set[str], copy: Path) -> list[Path]:
     """Copy the repository into ``copy`` and delete the folders, their YAMLs and their tests
     there; returns what was deleted (relative to the copy)."""
@@ -121,10 +108,8 @@ def prepare(folders: set[str], copy: Path) -> list[Path]:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / relative, target)
     conf = copy / "conf"
-    gone_yamls = yamls_of(folders, conf)
-    options = {option(p, conf) for p in gone_yamls}
-    deleted = [copy / WING / f for f in sorted(folders)] + gone_yamls
-    deleted += tests_of(folders, options, copy / "tests")
+    deleted = [copy / WING / f for f in sorted(folders)] + yamls_of(folders, conf)
+    deleted += [copy / "tests" / "optional" / f for f in sorted(folders)]
     for path in deleted:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     git = ["git", "-c", "user.name=without", "-c", "user.email=without@localhost"]

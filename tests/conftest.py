@@ -57,6 +57,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if marker and found < need:
             reason = f"needs {need} CUDA GPU{'s' if need > 1 else ''} (marker gpu), found {found}"
             item.add_marker(pytest.mark.skip(reason=f"{reason}; run benchmarks/gpu_check.sh"))
+        if gone := sorted(set(needed(item)) - WING_PRESENT):
+            why = f"needs src/ddp_template/optional/{gone[0]}/, which this copy does not have"
+            item.add_marker(pytest.mark.skip(reason=why))
+
+
+WING = ROOT / "src" / "ddp_template" / "optional"
+WING_FOLDERS = ("webdataset", "streams", "tokens", "gpt", "fsdp2", "live")
+WING_PRESENT = {f for f in WING_FOLDERS if (WING / f).is_dir()}
+
+
+def needed(item: pytest.Item) -> list[str]:
+    """The optional folders a test needs: ``@pytest.mark.needs("gpt", ...)`` (or a module's
+    ``pytestmark``), and its own folder's under ``tests/optional/<folder>/``. A forker who
+    deletes a folder deletes its tests; a test of another folder that also uses it is skipped."""
+    folders = [f for marker in item.iter_markers("needs") for f in marker.args]
+    parts = item.path.relative_to(ROOT).parts
+    if parts[:2] == ("tests", "optional") and len(parts) > 3:
+        folders.append(parts[2])
+    return folders
 
 
 @pytest.fixture(scope="session")

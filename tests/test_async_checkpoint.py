@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import assert_killed_rank_reported, cpu_rank, run, run_env, train_cmd
 
@@ -143,6 +144,7 @@ LM = [
 ]
 
 
+@pytest.mark.needs("tokens", "gpt")  # experiment=lm_bytes
 def test_async_on_and_off_end_on_the_same_weights_on_lm_bytes(tmp_path: Path) -> None:
     """With 2 micro-batches a step (the weights' copy beside both forwards and backwards) and
     the EMA switch (its average copied at the step boundary): the same weights, optimizer state

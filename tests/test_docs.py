@@ -28,6 +28,7 @@ def _checker():
 check_docs = _checker()
 
 
+@pytest.mark.needs("webdataset", "streams", "tokens", "gpt", "fsdp2", "live")  # the docs show each
 def test_the_real_docs_pass(capsys: pytest.CaptureFixture[str]) -> None:
     code = check_docs.main([])
     out = capsys.readouterr().out
@@ -61,6 +62,7 @@ def _plant(path: Path, text: str) -> int:
     return len(lines) + 2
 
 
+@pytest.mark.needs("webdataset", "streams", "tokens", "gpt", "fsdp2", "live")  # the docs show each
 def test_planted_problems_fail_each_named(copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A broken link, a missing anchor, a bad key and a bad option: one line each, exit 1."""
     link = _plant(copy / "README.md", "See [the missing page](docs/nowhere.md).")

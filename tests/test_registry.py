@@ -4,6 +4,7 @@ whose optional folder a forker deleted is refused in one sentence naming the set
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import pytest
@@ -23,6 +24,8 @@ def test_every_registry_entry_loads() -> None:
     ]
     for reference in references:
         module, attribute = registry.split(reference)
+        if importlib.util.find_spec(module.rsplit(".", 1)[0]) is None:
+            continue  # its optional folder deleted: refused in one sentence (below)
         loaded = registry.load(reference, key="k=v", fix="set k=w.")
         assert callable(loaded) if attribute else loaded.__name__ == module, reference
 

@@ -52,6 +52,8 @@ from ddp_template.optional.tokens.writer import write_text
 from ddp_template.splits import build_splits
 from ddp_template.task import build_task
 
+pytestmark = pytest.mark.needs("tokens", "gpt")  # its runs train model=gpt on token files
+
 TRAIN_WINDOWS, TEST_WINDOWS = 874, 97  # (27,990 - 33) // 32 + 1 and (3,110 - 33) // 32 + 1
 LM = [
     "task=lm",

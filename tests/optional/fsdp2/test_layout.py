@@ -24,6 +24,8 @@ from ddp_template.models import small_cnn
 from ddp_template.optional.fsdp2.layout import build_fsdp2, unit_names
 from ddp_template.optional.gpt.model import gpt
 
+pytestmark = pytest.mark.needs("gpt")  # its units are the GPT's blocks
+
 
 @pytest.mark.parametrize(
     "overrides,needle",

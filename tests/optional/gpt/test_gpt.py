@@ -23,6 +23,8 @@ from ddp_template.optional.gpt import sample
 from ddp_template.optional.gpt.model import GPT, gpt
 from ddp_template.optional.tokens.file import TokenMeta, write_tokens
 
+pytestmark = pytest.mark.needs("tokens")  # the GPT learns from token files
+
 V, BLOCK = 64, 16
 TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32}  # the learning test's and the sampled run's
 TEXT = b"hello world! " * 20

@@ -18,7 +18,9 @@ from ddp_template.run_identity import RunInfo
     [
         (["dist.nproc=1"], "dist.nproc=1"),
         (["dist.nproc=2", "backend=nccl"], "backend=nccl"),
-        (["dist.nproc=2", "parallel=fsdp2"], "parallel=fsdp2"),
+        pytest.param(
+            ["dist.nproc=2", "parallel=fsdp2"], "parallel=fsdp2", marks=pytest.mark.needs("fsdp2")
+        ),
         (["dist.nproc=2", "fault_tolerance.min_members=3"], "min_members=3"),
         (["dist.nproc=2", "fault_tolerance.dead_after_s=0.5"], "dead_after_s=0.5"),
     ],

@@ -398,8 +398,16 @@ def test_a_signal_to_the_joined_rank_in_the_tail_stops_both_ranks_at_one_step(
             "syncbn.enabled=true cannot run with data.uneven=join (SyncBatchNorm all-reduces",
         ),
         (["optim.accumulate=2"], "optim.accumulate=2 cannot run with data.uneven=join"),
-        (["parallel=fsdp2"], "data.uneven=join cannot run with parallel=fsdp2"),
-        (["fault_tolerance=live"], "fault_tolerance=live cannot regroup inside torch's Join"),
+        pytest.param(
+            ["parallel=fsdp2"],
+            "data.uneven=join cannot run with parallel=fsdp2",
+            marks=pytest.mark.needs("fsdp2"),
+        ),
+        pytest.param(
+            ["fault_tolerance=live"],
+            "fault_tolerance=live cannot regroup inside torch's Join",
+            marks=pytest.mark.needs("live"),
+        ),
     ],
 )
 def test_uneven_join_refuses_what_join_cannot_shadow_in_one_sentence(overrides, says) -> None:

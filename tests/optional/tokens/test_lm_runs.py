@@ -51,6 +51,8 @@ from ddp_template.splits import build_splits
 from ddp_template.task import build_task
 from ddp_template.tasks.lm import LanguageModel
 
+pytestmark = pytest.mark.needs("gpt")  # experiment=lm_bytes trains model=gpt
+
 CPU = torch.device("cpu")
 WINDOWS = 843  # (27,000 train tokens - 33) // 32 + 1
 TINY_GPT = ["model=gpt", "model.n_layer=1", "model.n_embd=32", "model.n_head=2"]

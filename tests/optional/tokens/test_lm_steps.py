@@ -21,6 +21,8 @@ from ddp_template.data.epoch_steps import EpochSteps
 from ddp_template.errors import ConfigError
 from ddp_template.replay import load_run
 
+pytestmark = pytest.mark.needs("gpt")  # experiment=lm_bytes trains model=gpt
+
 SMALL = [
     "experiment=lm_bytes",
     "logger=none",
