@@ -87,3 +87,17 @@ def digits_fp32_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("digits_fp32")
     run(train_cmd(out, "logger=none", "epochs=3", launcher=torchrun(2, standalone=False)))
     return out
+
+
+@pytest.fixture(scope="session")
+def digits101(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """sklearn's digits, the first 101 as the training split, the next 40 as the test split
+    (``data=array``): odd on purpose, so every world size meets a padded or uneven tail."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = (digits.images / 16.0).astype(np.float32), digits.target
+    path = tmp_path_factory.mktemp("digits101") / "digits101.npz"
+    np.savez(path, x_train=x[:101], y_train=y[:101], x_test=x[101:141], y_test=y[101:141])
+    return path

@@ -308,3 +308,10 @@ def cpu_rank(rank: int = 0, world_size: int = 1, backend: str | None = None):
         device=torch.device("cpu"),
         host="localhost",
     )
+
+
+def last_checkpoint(out: Path, run_id: str) -> dict:
+    """The ``last.pt`` of run ``run_id`` under ``out``, loaded on the CPU."""
+    import torch
+
+    return torch.load(out / "outputs" / run_id / "checkpoints" / "last.pt", weights_only=True)

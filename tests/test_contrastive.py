@@ -18,13 +18,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import cpu_rank, free_port, join_gloo, jsonl, run, run_env, train_cmd
+from helpers import cpu_rank, free_port, join_gloo, jsonl, last_checkpoint, run, run_env, train_cmd
 from test_resume import assert_identical
 
 from ddp_template import replay, spike
@@ -220,24 +219,9 @@ RUN = [
 ]
 
 
-@pytest.fixture(scope="module")
-def digits101(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x, y = (d.images / 16.0).astype(np.float32), d.target
-    path = tmp_path_factory.mktemp("digits101") / "digits101.npz"
-    np.savez(path, x_train=x[:101], y_train=y[:101], x_test=x[101:141], y_test=y[101:141])
-    return path
-
-
 def launch(out: Path, data: Path, run_id: str, *overrides: str, check: bool = True):
     cmd = train_cmd(out, "data=array", f"data.path={data}", *RUN, *overrides)
     return run(cmd, env=run_env(RUN_ID=run_id), check=check)
-
-
-def last(out: Path, run_id: str) -> dict:
-    return torch.load(out / "outputs" / run_id / "checkpoints" / "last.pt", weights_only=True)
 
 
 @pytest.mark.slow
@@ -246,7 +230,7 @@ def test_two_ranks_equal_one_process_replay_and_a_killed_run_resumes(
 ) -> None:
     launch(tmp_path, digits101, "two", "dist.nproc=2", "loader.batch_size=10")
     launch(tmp_path, digits101, "one", "loader.batch_size=20")
-    a, b = last(tmp_path, "two"), last(tmp_path, "one")
+    a, b = last_checkpoint(tmp_path, "two"), last_checkpoint(tmp_path, "one")
     assert a["progress"]["step"] == b["progress"]["step"] == 6
     delta = max(
         (a["model"][k].double() - b["model"][k].double()).abs().max().item() for k in a["model"]
@@ -258,7 +242,7 @@ def test_two_ranks_equal_one_process_replay_and_a_killed_run_resumes(
     two = ["dist.nproc=2", "loader.batch_size=10"]
     proc = launch(tmp_path, digits101, "chain", *two, *kill, check=False)
     assert proc.returncode != 0 and "SIGKILL" in proc.stderr, proc.stderr[-2000:]
-    assert last(tmp_path, "chain")["progress"]["step"] == 3
+    assert last_checkpoint(tmp_path, "chain")["progress"]["step"] == 3
 
     # replay --losses with the step-3 checkpoint: each sample's contribution at step 4 against
     # the step's global batch; a rank's mean is the loss that rank logged (its part of the
@@ -281,7 +265,7 @@ def test_two_ranks_equal_one_process_replay_and_a_killed_run_resumes(
 
     proc = launch(tmp_path, digits101, "chain", *two)
     assert "resumed from" in proc.stdout
-    resumed = last(tmp_path, "chain")
+    resumed = last_checkpoint(tmp_path, "chain")
     assert resumed["progress"]["step"] == 6
     assert_identical(a["model"], resumed["model"])
     assert_identical(a["optimizer"]["state"][0], resumed["optimizer"]["state"][0])

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, jsonl, run, run_env, train_cmd
+from helpers import ROOT, jsonl, last_checkpoint, run, run_env, train_cmd
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_resume import assert_identical
@@ -225,25 +225,9 @@ RUN = [
 ]
 
 
-@pytest.fixture(scope="module")
-def digits101(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """sklearn's digits, the first 101 as the training split, the next 40 as the test split."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x, y = (digits.images / 16.0).astype(np.float32), digits.target
-    path = tmp_path_factory.mktemp("digits101") / "digits101.npz"
-    np.savez(path, x_train=x[:101], y_train=y[:101], x_test=x[101:141], y_test=y[101:141])
-    return path
-
-
 def launch(out: Path, data: Path, run_id: str, *overrides: str, check: bool = True):
     cmd = train_cmd(out, "data=array", f"data.path={data}", *RUN, *overrides)
     return run(cmd, env=run_env(RUN_ID=run_id), check=check)
-
-
-def last(out: Path, run_id: str) -> dict:
-    return torch.load(out / "outputs" / run_id / "checkpoints" / "last.pt", weights_only=True)
 
 
 def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -270,7 +254,7 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(
     ranks, one = PAIRS[case]
     launch(tmp_path, digits101, "ranks", *ranks, "dist.nproc=2")
     launch(tmp_path, digits101, "one", *one)
-    a, b = last(tmp_path, "ranks"), last(tmp_path, "one")
+    a, b = last_checkpoint(tmp_path, "ranks"), last_checkpoint(tmp_path, "one")
     assert a["progress"]["step"] == b["progress"]["step"] == {"accumulate": 10}.get(case, 12)
     assert worst(a["model"], b["model"]) < 1e-5, case  # every tensor: weights and BN buffers
 
@@ -315,12 +299,12 @@ def test_three_ranks_killed_mid_epoch_resume_bit_identically(digits101: Path, tm
     kill = ["fault.crash_at_step=4", "fault.rank=2", "fault.signal=SIGKILL"]
     proc = launch(tmp_path, data, "chain", *common, *kill, check=False)
     assert proc.returncode != 0 and "SIGKILL" in proc.stderr, proc.stderr[-2000:]
-    stopped = last(tmp_path, "chain")
+    stopped = last_checkpoint(tmp_path, "chain")
     progress = stopped["progress"]
     assert (progress["step"], progress["epoch"], progress["position"]) == (3, 0, 33)
     proc = launch(tmp_path, data, "chain", *common)
     assert "resumed from" in proc.stdout
-    ref, resumed = last(tmp_path, "ref"), last(tmp_path, "chain")
+    ref, resumed = last_checkpoint(tmp_path, "ref"), last_checkpoint(tmp_path, "chain")
     assert ref["progress"]["step"] == resumed["progress"]["step"] == 4
     assert_identical(ref["model"], resumed["model"])
     assert_identical(ref["optimizer"]["state"][0], resumed["optimizer"]["state"][0])
