@@ -123,11 +123,14 @@ def test_a_rank_killed_in_the_allreduce_is_survived_and_its_slot_rejoins(
     committed = _events(rows, "committed")[0]
     assert committed["step"] == first["step"] + 1, rows
     assert committed["time"] - lost[0]["time"] < 10.0, rows
-    # the pads of epoch 0 depend on the world size its last steps ran at
-    assert {s: ok for s, (ok, _) in _verdicts(killed_in_allreduce).items()} == {60: 1, 120: 1}
+    verdicts = _verdicts(killed_in_allreduce)
+    assert {s: ok for s, (ok, _) in verdicts.items()} == {60: 1, 120: 1}
     seen = replayed_epoch(killed_in_allreduce)
     assert set(seen) == set(range(N_DIGITS)), "replay misses training samples"
-    assert sum(seen.values()) - N_DIGITS == 2, seen.most_common(3)  # the mode's 2 pads only
+    # The padded mode's pads only, of the world size epoch 0's rest was dealt at (3 when the
+    # replacement was admitted before the epoch ended, 2 when after): what the ledger counted.
+    pads = verdicts[60][1] - N_DIGITS
+    assert pads in (0, 1, 2) and sum(seen.values()) - N_DIGITS == pads, seen.most_common(3)
     assert summary(killed_in_allreduce)["eval_count"] == 359
     said = [line for line in _said(killed_in_allreduce).splitlines() if "of 3:" in line]
     derived = [line for line in said if line.endswith(DERIVED)]  # the lost rank's, once
