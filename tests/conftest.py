@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,6 +66,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 WING = ROOT / "src" / "ddp_template" / "optional"
 WING_FOLDERS = ("webdataset", "streams", "tokens", "gpt", "fsdp2", "live")
 WING_PRESENT = {f for f in WING_FOLDERS if (WING / f).is_dir()}
+
+
+MODULE_NEEDS = re.compile(r"^pytestmark = pytest\.mark\.needs\(([^)]*)\)", re.M)
+
+
+def pytest_ignore_collect(collection_path: Path) -> bool | None:
+    """A test module whose ``pytestmark`` needs a deleted folder is not even imported (its
+    imports of that folder would fail before any marker could skip it)."""
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    found = MODULE_NEEDS.search(collection_path.read_text())
+    return True if found and set(re.findall(r'"(\w+)"', found[1])) - WING_PRESENT else None
 
 
 def needed(item: pytest.Item) -> list[str]:
