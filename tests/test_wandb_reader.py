@@ -30,6 +30,9 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         mp.setenv("WANDB_SILENT", "true")
         _worker_run(root / "rank1")
         _big_run(root / "rank2")
+        # finish() returns before the service's writer has closed the files; teardown waits
+        # for the service process to exit, so the reader never meets a torn tail.
+        wandb.teardown()
     return root
 
 
