@@ -364,8 +364,8 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
     tolerance = build_tolerance(cfg.fault_tolerance, cfg.backend)  # off: the restart path
     info, found = tolerance.setup()  # live: a replacement joins with the state handed over
     # The exit code, and on every path: the logs flushed, the exit recorded, the group torn down
-    with Ending(run.run_dir, info) as ending:
-        exit_records.record_start(run.run_dir, info.rank)  # for a peer that outlives this rank
+    with Ending(run.run_dir, info, cfg.backend) as ending:
+        exit_records.record_start(run.run_dir, info.rank, info.address)  # for peers outliving it
         setup_console(info, run.run_dir)
         log.info("%s", info.describe())
         log.info("numerics: %s", numerics.describe())

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ddp_template import cluster
+from ddp_template import cluster, network
 from ddp_template.config.schema import BackendConfig
 from ddp_template.errors import ConfigError
 
@@ -35,10 +35,16 @@ class DistInfo:
     launcher: str = "none"  # who started the ranks: torchrun, dist.nproc, slurm, openmpi, ...
     master: str | None = None  # the rendezvous address:port
     why: str = ""  # what decided the backend and device (BackendChoice.why)
+    interface: network.Interface | None = None  # a multi-node gloo job's network interface
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def address(self) -> str | None:
+        """The address this rank's collectives use, where the template chose it."""
+        return self.interface.address if self.interface else None
 
     @property
     def distributed(self) -> bool:
@@ -49,9 +55,11 @@ class DistInfo:
         backend and device they use and why."""
         where = f", master {self.master}" if self.master else ""
         why = f" ({self.why})" if self.why else ""
+        nic = self.interface
+        via = f"; gloo on {nic.name} ({nic.why})" if nic else ""
         return (
             f"launcher {self.launcher}: world size {self.world_size}{where}, backend "
-            f"{self.backend}, device {self.device}{why}"
+            f"{self.backend}, device {self.device}{why}{via}"
         )
 
 
@@ -156,16 +164,15 @@ def _share_cpu_threads(local_world: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
-def _restart_safe_store(world: int, timeout: timedelta) -> dict[str, Any]:
-    """A store namespaced by the elastic restart attempt.
+def store_client(namespace: str, world: int, timeout: timedelta) -> dist.Store:
+    """A new client of the rendezvous store (MASTER_ADDR:MASTER_PORT), its keys under
+    ``namespace`` and this restart attempt.
 
     Under torchrun (and the in-process launcher) workers share the agent's TCPStore, which
     outlives a restart; torch 2.14 does not prefix its keys per attempt, so a restarted rank can
     read a dead peer's address and fail with "Connection refused" (reproduced here with a bare
     init_process_group script). A prefix per attempt makes every restart start clean.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
@@ -174,7 +181,14 @@ def _restart_safe_store(world: int, timeout: timedelta) -> dict[str, Any]:
         is_master=False,
         timeout=timeout,
     )
-    return {"store": dist.PrefixStore(f"ddp_template/attempt_{attempt}", store)}
+    return dist.PrefixStore(f"ddp_template/attempt_{attempt}/{namespace}", store)
+
+
+def _restart_safe_store(world: int, timeout: timedelta) -> dict[str, Any]:
+    """The process group's store: the agent's, namespaced by the attempt (``store_client``)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    return {"store": store_client("group", world, timeout)}
 
 
 def setup_local(cfg: BackendConfig) -> DistInfo:
@@ -225,6 +239,10 @@ def setup(cfg: BackendConfig) -> DistInfo:
     _share_cpu_threads(ranks.local_world_size)
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=cfg.timeout_s)}
     kwargs.update(_restart_safe_store(ranks.world_size, kwargs["timeout"]))
+    interface = None
+    if backend == "gloo" and ranks.local_world_size < ranks.world_size:
+        addr = os.environ["MASTER_ADDR"]
+        interface = network.bind_gloo(addr, kwargs.get("store"), kwargs["timeout"])
     if device.type == "cuda":
         kwargs["device_id"] = device  # binds NCCL to this GPU and avoids a lazy guess
     if not dist.is_initialized():
@@ -240,6 +258,7 @@ def setup(cfg: BackendConfig) -> DistInfo:
         launcher=launcher,
         master=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
         why=choice.why,
+        interface=interface,
     )
 
 

@@ -5,7 +5,8 @@ A refusal (``ConfigError``) is said once, in one sentence, and exits 2; any othe
 recorded for the launcher (``rank<r>/error.json``: it names the cause) and goes on; a
 ``SystemExit`` (preemption, an interrupt) exits with its code; a clean end with 0. Then, however
 it ended: the logger finishes, an agreed stop waits for every rank to flush, the exit is
-recorded, and the process group is torn down.
+recorded, and the process group is torn down. A multi-node rank's heartbeats (``reach``) run
+inside it: a host gone silent ends the run from there, named.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ddp_template import distributed
+from ddp_template import distributed, reach
+from ddp_template.config.schema import BackendConfig
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 from ddp_template.process import exit_records
@@ -25,12 +27,14 @@ class Ending:
     """The context a rank's run runs in: ``info`` and ``logger`` are the current membership's
     (``train.membership`` sets them)."""
 
-    def __init__(self, run_dir: Path, info: DistInfo) -> None:
-        self.run_dir, self.info = run_dir, info
+    def __init__(self, run_dir: Path, info: DistInfo, backend: BackendConfig) -> None:
+        self.run_dir, self.info, self.backend = run_dir, info, backend
         self.logger: Any = None  # sinks.metrics.RankLogger, once the first membership made it
         self.code = 1
+        self.watch: reach.Watch | None = None
 
     def __enter__(self) -> Ending:
+        self.watch = reach.watch(self.run_dir, self.info, self.backend)  # multi-node: heartbeats
         return self
 
     def __exit__(
@@ -39,6 +43,8 @@ class Ending:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self.watch is not None:  # leaving through train: this rank's silence is no loss
+            self.watch.close()
         if exc is None:
             self.code = 0
         elif isinstance(exc, ConfigError):  # one sentence, no traceback: the message says the fix

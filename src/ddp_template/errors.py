@@ -13,6 +13,8 @@ from typing import Any
 EXIT_CONFIG_ERROR = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a scheduler should requeue the job
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+EXIT_HOST_LOST = 69  # EX_UNAVAILABLE: a host of the run went silent (reach.Watch)
+EXIT_FENCED = 70  # this rank was cut off from the run and stopped without writing (reach.Watch)
 
 
 class ConfigError(ValueError):

@@ -84,6 +84,24 @@ class SamplerConfig:
 class BackendConfig:
     name: BackendName = BackendName.auto
     timeout_s: int = 600
+    # A multi-node run's ranks beat into the rendezvous store every heartbeat_s (reach.py): a
+    # host silent for lost_after_s ends the run, named; a rank that cannot reach the store that
+    # long is cut off and stops without another write. lost_after_s=0: no heartbeats.
+    heartbeat_s: float = 1.0
+    lost_after_s: float = 30.0
+
+    def check(self) -> None:
+        if self.heartbeat_s <= 0:
+            raise ConfigError(
+                f"backend.heartbeat_s={self.heartbeat_s} must be positive; e.g. "
+                f"backend.heartbeat_s={BackendConfig.heartbeat_s}."
+            )
+        if self.lost_after_s < 0 or 0 < self.lost_after_s <= 3 * self.heartbeat_s:
+            raise ConfigError(
+                f"backend.lost_after_s={self.lost_after_s} must exceed three heartbeats "
+                f"(backend.heartbeat_s={self.heartbeat_s}), or a busy store loses hosts that "
+                f"are there; raise it, or set 0 for no heartbeats."
+            )
 
 
 @dataclass

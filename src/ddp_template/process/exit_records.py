@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import resource
 import select
 import signal
@@ -65,6 +66,7 @@ class Process:
     host: str
     attempt: int
     created: float  # the OS's start time of the pid: a reused pid is another process
+    address: str | None = None  # the address its collectives use (a multi-node gloo rank)
     exit: int | None = None
     peak_rss_mib: float | None = None  # the process's peak resident memory, at its exit
 
@@ -96,11 +98,13 @@ def _read(path: Path) -> dict[str, Any] | None:
     return None
 
 
-def record_start(run_dir: Path, rank: int) -> None:
-    """This rank's pid, host and attempt, for a peer that outlives it (:func:`quiet_peers`)."""
+def record_start(run_dir: Path, rank: int, address: str | None = None) -> None:
+    """This rank's pid, host, attempt and collective address, for a peer that outlives it
+    (:func:`quiet_peers`, :func:`remote_peers`)."""
     me = psutil.Process()
     record = {"pid": me.pid, "host": socket.gethostname(), "attempt": _attempt()}
-    _write(run_dir / f"rank{rank}" / "process.json", {**record, "created": me.create_time()})
+    record |= {"created": me.create_time(), "address": address}
+    _write(run_dir / f"rank{rank}" / "process.json", record)
 
 
 def record_exit(run_dir: Path, rank: int, code: int) -> None:
@@ -140,11 +144,19 @@ def record_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
     if gone is None:
         return
     quiet = quiet_peers(run_dir, rank)
-    if quiet:
-        note = "; ".join(
+    remote = remote_peers(run_dir, rank, str(exc))
+    if quiet or remote:
+        notes = [
             f"rank {r} (pid {pid}) exited without a Python exception — killed by a signal?"
             for r, pid in quiet
-        )
+        ]
+        if remote:
+            host, ranks = remote
+            notes.append(
+                f"host {host} ({said_ranks(ranks)}) closed its connections: its processes are "
+                f"gone (the host lost, or killed together)"
+            )
+        note = "; ".join(notes)
         log.error("rank %d's collective failed (%s): %s", rank, gone, note)
         if sys.version_info >= (3, 11):  # add_note is 3.11's; on 3.10 the log line says it
             exc.add_note(note)
@@ -219,6 +231,29 @@ def quiet_peers(run_dir: Path, rank: int, *, settle_s: float = SETTLE_S) -> list
     return quiet
 
 
+PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")  # gloo: "… by peer [a]:p", "error [a]:p"
+
+
+def remote_peers(run_dir: Path, rank: int, message: str) -> tuple[str, list[int]] | None:
+    """The host and ranks of this attempt at the peer address ``message`` names (gloo's
+    "Connection closed by peer [10.0.0.2]:…", "Read error [10.0.0.2]:…: Connection reset by
+    peer"), when that is another host, or None."""
+    found = PEER_ADDRESS.search(message)
+    me = _process(run_dir, rank)
+    if found is None or me is None:
+        return None
+    at = []
+    for path in run_dir.glob("rank*/process.json"):
+        r = int(path.parent.name.removeprefix("rank"))
+        proc = _process(run_dir, r)
+        if proc and proc.attempt == me.attempt and proc.address == found.group(1):
+            at.append((r, proc.host))
+    hosts = {host for _, host in at}
+    if len(hosts) != 1 or me.host in hosts:
+        return None
+    return hosts.pop(), sorted(r for r, _ in at)
+
+
 def read_failures(run_dir: Path, since: float) -> dict[int, Failure]:
     """rank -> the failure it recorded since ``since`` (the start of the attempt that failed)."""
     found = {}
@@ -247,7 +282,7 @@ def _killed(rank: int, code: int) -> str:
     return f"rank {rank} was killed by {name} (no Python exception: {why})"
 
 
-def _ranks(ranks: list[int]) -> str:
+def said_ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
@@ -286,9 +321,9 @@ def cause(*, exits: Mapping[int, int], failures: Mapping[int, Failure], seen: in
     collective = sorted(r for r, f in failures.items() if f.peer_gone and r != rank)
     if collective:
         words = sorted({str(failures[r].peer_gone) for r in collective})
-        lines.append(f"{_ranks(collective)} then failed in a collective ({'; '.join(words)})")
+        lines.append(f"{said_ranks(collective)} then failed in a collective ({'; '.join(words)})")
     stopped = sorted(r for r in killed if r != rank)
     if stopped:
         signals = sorted({_signal_name(exits[r]) for r in stopped})
-        lines.append(f"{_ranks(stopped)} then ended by {', '.join(signals)}")
+        lines.append(f"{said_ranks(stopped)} then ended by {', '.join(signals)}")
     return Verdict(rank=rank, exitcode=code_of(rank), report="\n".join(lines))
