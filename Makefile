@@ -10,7 +10,7 @@ EPOCHS ?= 6  # make bench: epochs of every program
 TEST_WORKERS ?= 2  # pytest-xdist workers for make test (0: one process, serially)
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-fast lint shares bench clean
+.PHONY: help install train test test-fast test-hosts lint shares bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -26,11 +26,14 @@ $(STAMP): pyproject.toml
 train: install ## Default job: small_cnn on digits, 2 ranks (NPROC=2) on CPU, gloo, W&B offline
 	$(PY) train.py dist.nproc=$(NPROC)
 
-test: install ## Run the whole test suite (W&B offline)
-	WANDB_MODE=offline $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
+test: install ## Run the whole test suite but the host tests (W&B offline)
+	WANDB_MODE=offline $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m "not hosts"
+
+test-hosts: install ## The multi-host tests: 2 hosts made of network namespaces (needs root)
+	WANDB_MODE=offline $(PY) -m pytest -m hosts --durations=5 tests/test_hosts.py
 
 test-fast: install ## Only the fast tests (no slow end-to-end runs)
-	WANDB_MODE=offline $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
+	WANDB_MODE=offline $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow and not hosts"
 
 lint: install ## ruff check and format, mypy (pyproject's [tool.mypy]), the docs' links and commands
 	$(VENV)/bin/ruff check .

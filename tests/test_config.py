@@ -178,6 +178,8 @@ def test_bad_override_is_refused_by_composition_naming_it(
         (["sampler=sequential", "sampler.shuffle=true"], "sampler.shuffle"),
         (["backend=nccl"], "backend.name=nccl"),
         (["+nonsense_key=1"], "nonsense_key=1 is not a key of the config"),
+        (["backend.lost_after_s=2"], "backend.lost_after_s=2.0 must exceed three heartbeats"),
+        (["backend.heartbeat_s=0"], "backend.heartbeat_s=0.0 must be positive"),
     ],
 )
 def test_meaningless_values_are_refused_at_the_boundary(

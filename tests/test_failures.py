@@ -186,3 +186,31 @@ def test_exit_codes_fail_soft_when_torchs_agent_changes() -> None:
     from ddp_template.launch import _exit_codes
 
     assert _exit_codes(object(), object()) == {}
+
+
+def _process(run_dir: Path, rank: int, host: str, address: str, attempt: int = 0) -> None:
+    record = {"pid": 1, "host": host, "attempt": attempt, "created": 0.0, "address": address}
+    (run_dir / f"rank{rank}").mkdir()
+    (run_dir / f"rank{rank}" / "process.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "[pair.cc:561] Connection closed by peer [10.0.0.2]:30929. This is typically caused by",
+        "[pair.cc:545] Read error [10.0.0.2]:8891: Connection reset by peer. This is typically",
+    ],
+)
+def test_a_collective_failure_names_the_host_at_the_peer_address(
+    tmp_path: Path, message: str
+) -> None:
+    """gloo's two words for a peer gone, with its address: the host and ranks at that address
+    in this attempt's records (not an earlier attempt's, never this rank's own host)."""
+    for rank, (host, address) in enumerate(
+        [("node0", "10.0.0.1"), ("node0", "10.0.0.1"), ("node1", "10.0.0.2"), ("node1", "10.0.0.2")]
+    ):
+        _process(tmp_path, rank, host, address)
+    _process(tmp_path, 4, "node2", "10.0.0.2", attempt=1)
+    assert exit_records.remote_peers(tmp_path, 0, message) == ("node1", [2, 3])
+    assert exit_records.remote_peers(tmp_path, 2, message) is None  # its own host
+    assert exit_records.remote_peers(tmp_path, 0, "Connection closed by peer") is None

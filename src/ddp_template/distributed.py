@@ -242,7 +242,9 @@ def setup(cfg: BackendConfig) -> DistInfo:
     interface = None
     if backend == "gloo" and ranks.local_world_size < ranks.world_size:
         addr = os.environ["MASTER_ADDR"]
-        interface = network.bind_gloo(addr, kwargs.get("store"), kwargs["timeout"])
+        interface = network.bind_gloo(
+            addr, ranks.rank, ranks.world_size, kwargs.get("store"), kwargs["timeout"]
+        )
     if device.type == "cuda":
         kwargs["device_id"] = device  # binds NCCL to this GPU and avoids a lazy guess
     if not dist.is_initialized():
