@@ -117,19 +117,11 @@ class Watch:
 
     def _end(self, lost: list[int]) -> None:
         """A host went silent: say which, record it for the launcher, end this rank."""
-        hosts: dict[str, list[int]] = {}
-        for r in lost:
-            try:
-                host = self.store.get(f"host/{r}").decode()
-            except Exception:  # noqa: BLE001
-                host = "an unknown host"
-            hosts.setdefault(host, []).append(r)
-        said = "; ".join(f"host {h} ({exit_records.said_ranks(rs)})" for h, rs in hosts.items())
-        line = (
-            f"{said} went silent: no heartbeat reached the rendezvous store for "
-            f"{self.cfg.lost_after_s:.0f} s (backend.lost_after_s) while this host's did: a "
-            f"link cut, a partition or a hung host. The run ends here; the same command resumes "
-            f"it from the last checkpoint."
+        line = f"{self._silent(lost)} went silent: no heartbeat reached the rendezvous store for "
+        line += (
+            f"{self.cfg.lost_after_s:.0f} s (backend.lost_after_s) while this host's did: a link "
+            f"cut, a partition or a hung host. The run ends here; the same command resumes it "
+            f"from the last checkpoint."
         )
         log.error("rank %d: %s", self.info.rank, line)
         exit_records.record_failure(self.run_dir, self.info.rank, HostLost(line))
@@ -137,6 +129,28 @@ class Watch:
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(EXIT_HOST_LOST)
+
+    def _silent(self, lost: list[int]) -> str:
+        """``host h (ranks …)`` where every rank of a host is silent (the others half as long
+        already: a cut host's ranks stop beating within a heartbeat of each other), else
+        ``rank r on host h``."""
+        now = time.monotonic()
+        with self.lock:
+            fading = {r for r, t in enumerate(self.moved) if now - t > self.cfg.lost_after_s / 2}
+        hosts: dict[str, list[int]] = {}
+        for r in range(self.info.world_size):
+            try:
+                host = self.store.get(f"host/{r}").decode()
+            except Exception:  # noqa: BLE001
+                host = "an unknown host"
+            hosts.setdefault(host, []).append(r)
+        said = []
+        for host, ranks in hosts.items():
+            if all(r in fading for r in ranks):
+                said.append(f"host {host} ({exit_records.said_ranks(ranks)})")
+            else:
+                said += [f"rank {r} on host {host}" for r in ranks if r in lost]
+        return "; ".join(said)
 
 
 class HostLost(RuntimeError):
