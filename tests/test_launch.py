@@ -6,16 +6,12 @@ import importlib.util
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 from helpers import (
     PY,
     ROOT,
-    TORCHRUN,
     assert_killed_rank_reported,
     assert_one_run_dir,
-    free_port,
-    jsonl,
     run,
     run_dirs,
     run_env,
@@ -23,10 +19,8 @@ from helpers import (
     torchrun,
     train_cmd,
 )
-from torch.utils.data.distributed import DistributedSampler
 
 from ddp_template.data.sampler_modes import SAMPLER_MODES
-from ddp_template.ledger.tally import fingerprint
 
 TINY = ["logger=none", "epochs=1", "max_steps_per_epoch=4"]
 
@@ -68,57 +62,6 @@ def test_multirun_under_torchrun_is_refused(tmp_path: Path) -> None:
     proc = run(train_cmd(tmp_path, "-m", "seed=0,1", *TINY, launcher=torchrun(1)), check=False)
     assert proc.returncode != 0
     assert "dist.nproc=N" in proc.stdout + proc.stderr
-
-
-def test_two_nodes_two_ranks_each_on_localhost(tmp_path: Path) -> None:
-    port, rdzv_id = free_port(), "twonodes"
-    agents = []
-    for _node in range(2):
-        launcher = [
-            *TORCHRUN,
-            "--nnodes=2",
-            "--nproc-per-node=2",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id={rdzv_id}",
-        ]
-        cmd = train_cmd(
-            tmp_path,
-            "logger=none",
-            "epochs=1",
-            "data=synthetic",
-            "data.size=37",
-            "data.test_size=9",
-            "data.image_size=8",
-            "loader.batch_size=4",
-            launcher=launcher,
-        )
-        agents.append(
-            subprocess.Popen(
-                cmd,
-                cwd=ROOT,
-                env=run_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outputs = [a.communicate(timeout=300)[0] for a in agents]
-    assert [a.returncode for a in agents] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
-    (run_dir,) = run_dirs(tmp_path)
-    assert run_dir.name == rdzv_id and summary(run_dir)["world_size"] == 4
-    for rank in range(4):
-        want = list(DistributedSampler(range(37), num_replicas=4, rank=rank, seed=0))
-        (row,) = [
-            r for r in jsonl(run_dir / f"rank{rank}" / "metrics.jsonl") if "data/samples" in r
-        ]
-        assert row["data/samples"] == len(want) == 10
-        assert row["data/fingerprint"] == fingerprint(np.array(want))
-    assert sorted(p.name for p in run_dir.glob("rank*.log")) == [
-        "rank1.log",
-        "rank2.log",
-        "rank3.log",
-    ]
 
 
 def test_help_lists_groups_and_launch_commands() -> None:
