@@ -179,7 +179,7 @@ def _replay(run_dir: Path, *args: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines()]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2])  # 1 and 3 ranks: the loss rule's test above
 def test_a_poisoned_sample_batchnorm_hides_from_the_loss_is_named_by_its_input(
     world: int, tmp_path: Path
 ) -> None:

@@ -115,11 +115,12 @@ def test_a_rank_killed_in_the_allreduce_is_survived_and_its_slot_rejoins(
         (3, 2, [2]),
         (2, 3, []),
     ], regrouped
-    # Step 10 broke in its all-reduce: uncommitted, the survivors' 16 samples back to the rest
-    # (or, when rank 2's part had reached the others before it died, step 10 committed and
-    # the survivors found the loss in step 11's all-reduce: step 11 uncommitted).
+    # Step 10 broke in its all-reduce: uncommitted, the survivors' 16 samples back to the rest.
+    # Or rank 2's part had reached the others before it died: step 10 committed, and each
+    # survivor found the loss either inside step 11 (its 8 samples uncommitted) or at the step
+    # boundary before reading any (under load one survivor can be a step boundary behind).
     first = regrouped[0]
-    assert first["step"] in (9, 10) and first["uncommitted_samples"] == 16, first
+    assert (first["step"], first["uncommitted_samples"]) in {(9, 16), (10, 0), (10, 8), (10, 16)}
     committed = _events(rows, "committed")[0]
     assert committed["step"] == first["step"] + 1, rows
     assert committed["time"] - lost[0]["time"] < 10.0, rows
