@@ -7,7 +7,7 @@ BENCH_STAMP := $(VENV)/.bench-stamp
 NPROC  ?= 2
 ROUNDS ?= 7  # make bench: paired rounds (7: every variant once in every slot)
 EPOCHS ?= 6  # make bench: epochs of every program
-TEST_WORKERS ?= 4  # pytest-xdist workers for make test (0: one process, serially); 4 on 2 cores: the runs wait on each other
+TEST_WORKERS ?= 3  # pytest-xdist workers for make test (0: one process, serially); 3 on 2 cores: the runs wait on each other
 
 .DEFAULT_GOAL := help
 .PHONY: help install train test test-fast test-hosts lint shares bench clean

@@ -61,7 +61,7 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return out / "outputs" / "whole", proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("world", [1, 2])  # an odd world: the BN case and test_replay
+@pytest.mark.parametrize("world", [1, 2])
 def test_a_poisoned_sample_is_named_and_its_update_skipped(
     world: int, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
