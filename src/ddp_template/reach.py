@@ -91,21 +91,31 @@ class Watch:
             now = time.monotonic()
             with self.lock:
                 cut = now - self.landed > self.cfg.lost_after_s
-                lost = [r for r, t in enumerate(self.moved) if now - t > self.cfg.lost_after_s]
+                # silent while this rank's own beats landed: a cut rank judges no one but itself
+                lost = [
+                    r for r, t in enumerate(self.moved) if self.landed - t > self.cfg.lost_after_s
+                ]
             if self.stopped.is_set():
                 return
             if cut:
                 self._fence(now)
-            lost = [r for r in lost if not self.store.check([f"left/{r}"])]
+            lost = [r for r in lost if not self._left(r)]
             if lost:
                 self._end(lost)
+
+    def _left(self, rank: int) -> bool:
+        try:
+            return bool(self.store.check([f"left/{rank}"]))
+        except Exception:  # noqa: BLE001  the store just answered this rank's beat: retry next
+            return True
 
     def _fence(self, now: float) -> None:
         """Cut off: stop without another write into the run (the other side owns it now)."""
         silent = now - self.landed
         me = psutil.Process()
         for child in me.children(recursive=True):  # loader workers, the W&B service
-            child.send_signal(signal.SIGKILL)
+            with contextlib.suppress(psutil.Error):
+                child.send_signal(signal.SIGKILL)
         sys.stderr.write(
             f"rank {self.info.rank} on {self.info.host} is cut off: none of its heartbeats "
             f"reached the rendezvous store ({self.info.master}) for {silent:.0f} s "
