@@ -35,6 +35,9 @@ def run_env(**extra: str) -> dict[str, str]:
     env.update(
         WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0"
     )
+    # One compute thread per rank: make test runs three tests at once on two cores, where a
+    # rank's spare OpenMP threads only spin against the other tests' ranks.
+    env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
     return env
 
