@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import ROOT
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
@@ -17,6 +18,7 @@ from ddp_template.config.schema import register_configs
 
 register_configs()
 run_identity.register_resolvers()
+torch.set_num_threads(1)  # as the runs' ranks (helpers.run_env): three test files share 2 cores
 
 
 @pytest.fixture(autouse=True)
