@@ -149,6 +149,16 @@ class Started:
         return proc
 
 
+def wait_for(path: Path, *started: Started, timeout_s: float = 180) -> None:
+    """Until ``path`` exists while every command in ``started`` still runs, or fail with the
+    first one's output."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if any(s.popen.poll() is not None for s in started) or time.monotonic() > deadline:
+            raise AssertionError(f"{path} never appeared:\n{started[0].wait(check=False).stderr}")
+        time.sleep(0.2)
+
+
 def start(
     cmd: list[str],
     *,
@@ -294,6 +304,18 @@ def join_gloo(rank: int, world: int, port: int, timeout_s: float = 60) -> None:
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def save_gathered(mine: Any, world: int, path: Path) -> None:
+    """Every rank's ``mine`` gathered; rank 0 saves the list at ``path`` (a spawned test rank's
+    result, read back by the test)."""
+    import torch
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() == 0:
+        torch.save(everyone, path)
 
 
 def cpu_rank(rank: int = 0, world_size: int = 1, backend: str | None = None):

@@ -23,7 +23,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import cpu_rank, free_port, join_gloo, jsonl, last_checkpoint, run, run_env, train_cmd
+from helpers import (
+    cpu_rank,
+    free_port,
+    join_gloo,
+    jsonl,
+    last_checkpoint,
+    run,
+    run_env,
+    save_gathered,
+    train_cmd,
+)
 from test_resume import assert_identical
 
 from ddp_template import replay, spike
@@ -163,10 +173,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         except Exception:
             (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
             raise
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, mine)
-        if rank == 0:
-            torch.save(everyone, Path(out) / f"world{world}.pt")
+        save_gathered(mine, world, Path(out) / f"world{world}.pt")
     finally:
         dist.destroy_process_group()
 

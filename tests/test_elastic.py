@@ -8,7 +8,6 @@ import json
 import random
 import shutil
 import signal
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -16,7 +15,6 @@ import numpy as np
 import pytest
 from helpers import (
     TORCHRUN,
-    Started,
     cpu_rank,
     free_port,
     jsonl,
@@ -25,6 +23,7 @@ from helpers import (
     start,
     summary,
     train_cmd,
+    wait_for,
 )
 
 from ddp_template.checkpoint import Found
@@ -311,15 +310,6 @@ def _agent(port: int, rdzv_id: str, *, host: bool, last_call_s: int) -> list[str
     ]
 
 
-def _wait_for(path: Path, agent: Started, timeout_s: float = 180) -> None:
-    """Until ``path`` exists (the agent still running), or fail with the agent's output."""
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if agent.popen.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"{path} never appeared:\n{agent.wait(check=False).stderr}")
-        time.sleep(0.2)
-
-
 def _every_epoch_ok(run_dir: Path, epochs: int) -> None:
     """Every report ok (a preempted epoch's partial one too); one whole report an epoch, all N
     samples once; replay lists each training index of epoch 0 exactly once."""
@@ -372,7 +362,7 @@ def test_torchrun_elastic_grows_when_an_agent_joins_later(tmp_path: Path) -> Non
     first = _agent(port, rdzv, host=True, last_call_s=1)
     a = start(train_cmd(tmp_path, *hold, launcher=first), env=env, new_session=True)
     run_dir = tmp_path / "outputs" / rdzv
-    _wait_for(run_dir / "checkpoints" / "last.pt", a)  # the step-5 checkpoint: 1 rank, held at 7
+    wait_for(run_dir / "checkpoints" / "last.pt", a)  # the step-5 checkpoint: 1 rank, held at 7
     later = _agent(port, rdzv, host=False, last_call_s=1)
     b = start(train_cmd(tmp_path, *hold, launcher=later), env=env, new_session=True)
     a.wait(timeout=300)

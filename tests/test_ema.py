@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import classification, free_port, join_gloo, step_trainer
+from helpers import classification, free_port, join_gloo, save_gathered, step_trainer
 
 from ddp_template.config.schema import DDPConfig, EmaConfig, LoaderConfig
 from ddp_template.data.builtin import synthetic
@@ -83,10 +82,7 @@ def worker(rank: int, world: int, port: int, ema_state: dict, out: str) -> None:
         fixed.load_state_dict(ema_state)
         loader = build_eval_loader(eval_set(), EVAL, info)
         mine["eval"] = evaluate(fixed.module, loader, info, "off", classification(10))
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, mine)
-        if rank == 0:
-            torch.save(everyone, Path(out) / f"world{world}.pt")
+        save_gathered(mine, world, Path(out) / f"world{world}.pt")
     finally:
         dist.destroy_process_group()
 

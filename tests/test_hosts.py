@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TORCHRUN, Started, jsonl, start, summary, train_cmd
+from helpers import TORCHRUN, Started, jsonl, start, summary, train_cmd, wait_for
 from hosts import Hosts, unavailable
 
 pytestmark = [
@@ -64,14 +64,6 @@ def _model(run_dir: Path) -> dict[str, torch.Tensor]:
     return payload["model"]
 
 
-def _wait_for(path: Path, agents: list[Started], timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if any(a.popen.poll() is not None for a in agents) or time.monotonic() > deadline:
-            raise AssertionError(f"{path} never appeared:\n{agents[0].wait(check=False).stderr}")
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted 2 x 2 run across the hosts."""
@@ -112,7 +104,7 @@ def test_a_host_lost_is_named_and_the_same_command_resumes(reference: Path, tmp_
     run_dir = tmp_path / "outputs" / RUN
     with Hosts(2) as hosts:
         agents = _launch(hosts, tmp_path, *hold)
-        _wait_for(run_dir / "checkpoints" / "last.pt", agents)
+        wait_for(run_dir / "checkpoints" / "last.pt", *agents)
         killed = time.monotonic()
         assert len(hosts.kill(1)) >= 3  # the agent and its two ranks
         first = agents[0].wait(timeout=ENDED_WITHIN_S, check=False)
@@ -144,7 +136,7 @@ def test_a_cut_link_is_named_the_cut_host_fenced_and_the_run_resumed(
     run_dir = tmp_path / "outputs" / RUN
     with Hosts(2) as hosts:
         agents = _launch(hosts, tmp_path, *hold)
-        _wait_for(run_dir / "checkpoints" / "last.pt", agents)
+        wait_for(run_dir / "checkpoints" / "last.pt", *agents)
         records = {r: (run_dir / f"rank{r}" / "process.json").read_text() for r in (2, 3)}
         cut, cut_clock = time.monotonic(), time.time()
         hosts.cut(1)

@@ -23,7 +23,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import cpu_rank, free_port, join_gloo, jsonl, run, run_dirs, summary, train_cmd
+from helpers import (
+    cpu_rank,
+    free_port,
+    join_gloo,
+    jsonl,
+    run,
+    run_dirs,
+    save_gathered,
+    summary,
+    train_cmd,
+)
 from torchmetrics.classification import (
     MulticlassAccuracy,
     MulticlassAUROC,
@@ -87,10 +97,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         except Exception:  # mp.spawn reports one rank's: often a peer's failed collective
             (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
             raise
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, mine)
-        if rank == 0:
-            torch.save(everyone, Path(out) / "ranks.pt")
+        save_gathered(mine, world, Path(out) / "ranks.pt")
     finally:
         dist.destroy_process_group()
 

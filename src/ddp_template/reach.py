@@ -77,14 +77,15 @@ class Watch:
                 self.store.add(self.keys[self.info.rank], 1)
                 counts = [int(v) for v in self.store.multi_get(self.keys)]
             except Exception:  # noqa: BLE001  a cut link times the request out: judged below
-                continue
-            now = time.monotonic()
-            with self.lock:
-                self.landed = now
-                for r, count in enumerate(counts):
-                    if count != self.counts[r]:
-                        self.counts[r], self.moved[r] = count, now
-            self.stopped.wait(self.cfg.heartbeat_s)
+                counts = None
+            if counts is not None:
+                now = time.monotonic()
+                with self.lock:
+                    self.landed = now
+                    for r, count in enumerate(counts):
+                        if count != self.counts[r]:
+                            self.counts[r], self.moved[r] = count, now
+            self.stopped.wait(self.cfg.heartbeat_s)  # a refused request too: no busy retry
 
     def _judge(self) -> None:
         while not self.stopped.wait(self.cfg.heartbeat_s):
