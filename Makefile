@@ -20,7 +20,7 @@ install: $(STAMP) ## Create .venv/ and install the package editable with its dev
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,slurm,optuna]'
+	$(PY) -m pip install --quiet -e '.[dev,slurm,optuna,s3]'
 	touch $(STAMP)
 
 train: install ## Default job: small_cnn on digits, 2 ranks (NPROC=2) on CPU, gloo, W&B offline

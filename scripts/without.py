@@ -2,9 +2,9 @@
 YAMLs and its tests, in a copy of the repository, then run the default job and the remaining
 tests there.
 
-    python scripts/without.py                  # each folder alone, then all six at once
+    python scripts/without.py                  # each folder alone, then all seven at once
     python scripts/without.py gpt live         # only these cases (each alone)
-    python scripts/without.py --all            # only the case "all six at once"
+    python scripts/without.py --all            # only the case "all seven at once"
     python scripts/without.py -- -m "not slow" # pytest's arguments after --
 
 Every case runs the default job, collects every remaining test module (each must still import),
@@ -37,7 +37,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 WING = Path("src/ddp_template/optional")
-FOLDERS = ("webdataset", "streams", "tokens", "gpt", "fsdp2", "live")
+FOLDERS = ("webdataset", "streams", "tokens", "gpt", "fsdp2", "live", "s3")
 PYTHON = os.environ.get("PYTHON", sys.executable)
 
 
@@ -119,7 +119,7 @@ def prepare(folders: set[str], copy: Path) -> list[Path]:
 
 
 def run_case(folders: set[str], pytest_args: list[str], keep: bool) -> bool:
-    name = "all six" if len(folders) == len(FOLDERS) else ", ".join(sorted(folders))
+    name = "all seven" if len(folders) == len(FOLDERS) else ", ".join(sorted(folders))
     copy = Path(tempfile.mkdtemp(prefix="without-"))
     try:
         deleted = prepare(folders, copy)
@@ -170,7 +170,7 @@ def run_case(folders: set[str], pytest_args: list[str], keep: bool) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="*", metavar="FOLDER", help=", ".join(FOLDERS))
-    parser.add_argument("--all", action="store_true", help="only the case: all six at once")
+    parser.add_argument("--all", action="store_true", help="only the case: all seven at once")
     parser.add_argument("--keep", action="store_true", help="keep each case's copy")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)

@@ -66,7 +66,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 WING = ROOT / "src" / "ddp_template" / "optional"
-WING_FOLDERS = ("webdataset", "streams", "tokens", "gpt", "fsdp2", "live")
+WING_FOLDERS = ("webdataset", "streams", "tokens", "gpt", "fsdp2", "live", "s3")
 WING_PRESENT = {f for f in WING_FOLDERS if (WING / f).is_dir()}
 
 

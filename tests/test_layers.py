@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "src" / "ddp_template"
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
 WING = "optional"  # the folder of folders a forker may delete, each with its YAMLs and tests
-OPTIONAL = frozenset({"webdataset", "streams", "tokens", "gpt", "fsdp2", "live"})
+OPTIONAL = frozenset({"webdataset", "streams", "tokens", "gpt", "fsdp2", "live", "s3"})
 TRAIN = "train"  # train.py's name in the map (it lives beside src/, not in the package)
 CELL = re.compile(r"(?<!\\)\|")  # a table's cell border (``\|`` is a pipe inside a cell)
 NAME = re.compile(r"(\*?)`([^`]+)`(\*?)")  # `module`, or *`module`*: only inside a function
@@ -209,6 +209,7 @@ REGISTRIES = {  # every by-name registry: module → the names it assigns
     "parallel": ("PARALLEL",),
     "tolerance": ("TOLERANCE", "SUPERVISOR"),
     "process.preload": ("FORK_SERVER",),
+    "storage": ("SCHEMES",),
 }
 
 
