@@ -11,10 +11,12 @@ and DCP writes and reads its directories through ``dcp_writer``/``dcp_reader``.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -42,6 +44,9 @@ class Storage(Protocol):
         """Bytes ``begin..end`` (end excluded) of ``name``, exactly."""
 
     def size(self, name: str) -> int: ...
+
+    def tag(self, name: str) -> str:
+        """A stamp of ``name``'s version: it changes whenever the object is written again."""
 
     def exists(self, name: str) -> bool: ...
 
@@ -91,6 +96,17 @@ def parent(location: str | os.PathLike, *, key: str = "resume") -> tuple[Storage
     return at(head, key=key), name
 
 
+@contextmanager
+def said_for(key: str, value: str) -> Iterator[None]:
+    """A storage's refusal (one sentence) said for the setting ``key=value`` that led to it."""
+    try:
+        yield
+    except ConfigError as refused:
+        if str(refused).startswith(f"{key}="):
+            raise
+        raise ConfigError(f"{key}={value}: {refused}") from None
+
+
 def name_of(location: str | os.PathLike) -> str:
     """The last part of a path or URL (``last.pt``)."""
     return str(location).rstrip("/").rpartition("/")[2]
@@ -132,6 +148,10 @@ class Folder:
     def size(self, name: str) -> int:
         return (self.path / name).stat().st_size
 
+    def tag(self, name: str) -> str:
+        st = (self.path / name).stat()
+        return f"{st.st_size}-{st.st_mtime_ns}"
+
     def exists(self, name: str) -> bool:
         return (self.path / name).exists()
 
@@ -164,6 +184,36 @@ class Folder:
 
     def dcp_reader(self, name: str) -> FileSystemReader:
         return FileSystemReader(self.path / name)
+
+
+class RangeFile(io.RawIOBase):
+    """An object read by byte ranges as a seekable file (DCP reads each item's slice; a tar
+    shard is scanned through one, buffered)."""
+
+    def __init__(self, storage: Storage, name: str) -> None:
+        self.storage, self.name, self.at = storage, name, 0
+        self.length = storage.size(name)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.at, io.SEEK_END: self.length}[whence]
+        self.at = max(0, base + offset)
+        return self.at
+
+    def tell(self) -> int:
+        return self.at
+
+    def readinto(self, buffer: Any) -> int:
+        end = min(self.length, self.at + len(buffer))
+        data = self.storage.read_range(self.name, self.at, end)
+        buffer[: len(data)] = data
+        self.at += len(data)
+        return len(data)
 
 
 OPEN_FILES = 16  # file handles a Folder keeps for read_range (the least recently opened closed)

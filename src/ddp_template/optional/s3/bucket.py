@@ -35,7 +35,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from ddp_template.errors import ConfigError
-from ddp_template.storage import Fill
+from ddp_template.storage import Fill, RangeFile
 
 ATTEMPTS = 6  # tries of one request before it fails (5 retries)
 BACKOFF_S = 0.05  # the first retry's longest wait; doubled per retry (full jitter), capped
@@ -350,35 +350,6 @@ class Bucket:
 def endpoint() -> str:
     """Where requests go (no credential in it): AWS_ENDPOINT_URL, or AWS's own S3."""
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
-
-
-class RangeFile(io.RawIOBase):
-    """An object read by byte ranges as a seekable file (DCP reads each item's slice)."""
-
-    def __init__(self, bucket: Bucket, name: str) -> None:
-        self.bucket, self.name, self.at = bucket, name, 0
-        self.length = bucket.size(name)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.at, io.SEEK_END: self.length}[whence]
-        self.at = max(0, base + offset)
-        return self.at
-
-    def tell(self) -> int:
-        return self.at
-
-    def readinto(self, buffer: Any) -> int:
-        end = min(self.length, self.at + len(buffer))
-        data = self.bucket.read_range(self.name, self.at, end)
-        buffer[: len(data)] = data
-        self.at += len(data)
-        return len(data)
 
 
 class Upload(io.BytesIO):

@@ -1,33 +1,50 @@
 """The shard index: which samples each WebDataset tar shard holds, and where in the file.
 
 Shards are given as WebDataset gives them (``/data/train-{000000..000127}.tar``, brace
-notation, local paths). A sample is WebDataset's: the tar members sharing a key
-(``<key>.png|jpg|jpeg|npy`` and ``<key>.cls``). Each shard's index (its keys, labels and the
-byte range of every sample and of its input member) is built once with one pass over the tar
-and cached beside it as ``<shard>.idx.json``; a shard whose size or modification time changed
-is indexed again. Every sample then has a global index: the shards' samples counted in url
-order, ``(shard, offset)`` ↔ ``offsets[shard] + offset``.
+notation), as local paths or ``s3://`` URLs: either is read through ``storage``. A sample is
+WebDataset's: the tar members sharing a key (``<key>.png|jpg|jpeg|npy`` and ``<key>.cls``).
+Each shard's index (its keys, labels and the byte range of every sample and of its input
+member) is built once with one pass over the tar and cached beside it as ``<shard>.idx.json``
+(a file, or an object in the bucket); a shard whose tag changed (its size and modification
+time; an object's ETag) is indexed again. Every sample then has a global index: the shards'
+samples counted in url order, ``(shard, offset)`` ↔ ``offsets[shard] + offset``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import os
 import tarfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from ddp_template import storage
 from ddp_template.errors import ConfigError
+from ddp_template.storage import RangeFile, Storage, said_for
 
 INPUT_EXTS = ("png", "jpg", "jpeg", "npy")
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: stamped with the storage's tag (size and mtime, or the ETag)
 INDEX_SUFFIX = ".idx.json"
+SCAN_BYTES = 8 << 20  # bytes per read while a shard is scanned
 
 
-def expand_urls(key: str, pattern: str | None) -> list[Path]:
-    """The shard paths of ``data.<key>`` (brace notation), each checked to exist."""
+@dataclass(frozen=True)
+class Shard:
+    """One tar shard: its name in the storage of its folder (a local one, or a bucket's)."""
+
+    storage: Storage
+    name: str
+
+    @property
+    def where(self) -> str:
+        return self.storage.where(self.name)
+
+
+def expand_urls(key: str, pattern: str | None) -> list[Shard]:
+    """The shards of ``data.<key>`` (brace notation; paths or ``s3://`` URLs), each checked to
+    exist (one listing per folder)."""
     from braceexpand import braceexpand
 
     example = f"data.{key}=/data/{key.split('_')[0]}-{{000000..000127}}.tar"
@@ -37,22 +54,22 @@ def expand_urls(key: str, pattern: str | None) -> list[Path]:
             f"notation, e.g. {example}."
         )
     pattern = str(pattern).removeprefix("file://").removeprefix("file:")
-    scheme = pattern.split(":", 1)[0] if ":" in pattern.split("/", 1)[0] else None
-    if scheme is not None:
-        raise ConfigError(
-            f"data.{key}={pattern} is a {scheme}: URL; sharded data is read from local files "
-            f"(each worker seeks to its range by the shard index), so copy or mount the shards "
-            f"and give their paths, e.g. {example}."
-        )
-    paths = [Path(p) for p in braceexpand(pattern)]
-    for path in paths:
-        if not path.is_file():
-            raise ConfigError(
-                f"data.{key}={pattern} names {path}, which does not exist; fix the pattern "
-                f"or write the shards (python -m ddp_template.optional.webdataset.writer write "
-                f"--out DIR)."
-            )
-    return paths
+    folders: dict[str, tuple[Storage, set[str]]] = {}
+    shards = []
+    with said_for(f"data.{key}", pattern):
+        for location in braceexpand(pattern):
+            where, name = storage.parent(location, key=f"data.{key}")
+            if where.root not in folders:
+                folders[where.root] = (where, set(where.names()))
+            where, held = folders[where.root]
+            if name not in held:
+                raise ConfigError(
+                    f"data.{key}={pattern} names {where.where(name)}, which does not exist; fix "
+                    f"the pattern or write the shards (python -m "
+                    f"ddp_template.optional.webdataset.writer write --out DIR)."
+                )
+            shards.append(Shard(where, name))
+    return shards
 
 
 def _key_and_ext(name: str) -> tuple[str, str] | None:
@@ -65,11 +82,14 @@ def _key_and_ext(name: str) -> tuple[str, str] | None:
     return (f"{head}/{stem}" if head else stem), ext.lower()
 
 
-def scan_shard(path: Path, key: str) -> dict:
-    """One pass over a tar: each sample's key, label, byte range and input member."""
+def scan_shard(shard: Shard, key: str) -> dict:
+    """One pass over a tar, read front to back once (``SCAN_BYTES`` per read): each sample's
+    key, label, byte range and input member."""
     samples: list[list] = []
     current: dict | None = None
-    with tarfile.open(path, "r:") as tar:
+    path = shard.where
+    raw = io.BufferedReader(RangeFile(shard.storage, shard.name), SCAN_BYTES)
+    with raw, tarfile.open(fileobj=raw, mode="r:") as tar:
         for member in tar:
             split = _key_and_ext(member.name) if member.isfile() else None
             if split is None:
@@ -108,7 +128,7 @@ def _label(tar: tarfile.TarFile, member: tarfile.TarInfo, name: str, key: str) -
         ) from None
 
 
-def _close(sample: dict | None, samples: list[list], path: Path, key: str) -> None:
+def _close(sample: dict | None, samples: list[list], path: str, key: str) -> None:
     """A sample whose members have all been read: its row, once it has a label and an input."""
     if sample is None:
         return
@@ -132,30 +152,23 @@ def _close(sample: dict | None, samples: list[list], path: Path, key: str) -> No
     )
 
 
-def _stamp(path: Path) -> dict:
-    st = path.stat()
-    return {"version": INDEX_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def shard_entries(path: Path, key: str) -> list[list]:
-    """The shard's samples from its cached index, built (and cached, atomically) if missing
-    or stale; a shard folder that cannot be written keeps the index in memory only."""
-    cache = path.with_name(path.name + INDEX_SUFFIX)
-    stamp = _stamp(path)
-    if cache.is_file():
+def shard_entries(shard: Shard, key: str) -> list[list]:
+    """The shard's samples from its cached index (``<shard>.idx.json`` beside it, stamped with
+    the shard's size and modification time, or its ETag), built and cached (atomically) if
+    missing or stale; a folder or bucket that cannot be written keeps the index in memory."""
+    where, cache = shard.storage, shard.name + INDEX_SUFFIX
+    stamp = {"version": INDEX_VERSION, "tag": where.tag(shard.name)}
+    if where.exists(cache):
         try:
-            saved = json.loads(cache.read_text())
+            saved = json.loads(where.read(cache))
             if all(saved.get(k) == v for k, v in stamp.items()):
                 return saved["samples"]
         except (OSError, ValueError, KeyError):
             pass  # unreadable or half-written by an older version: index again
-    entries = scan_shard(path, key)["samples"]
-    tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps({**stamp, "samples": entries}))
-        os.replace(tmp, cache)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    entries = scan_shard(shard, key)["samples"]
+    body = json.dumps({**stamp, "samples": entries}).encode()
+    with contextlib.suppress(OSError, ConfigError):  # read-only: not cached
+        where.publish(cache, lambda f: f.write(body))
     return entries
 
 
@@ -163,9 +176,9 @@ def shard_entries(path: Path, key: str) -> list[list]:
 class ShardIndex:
     """Every shard's samples in url order; global index = ``offsets[shard] + offset``."""
 
-    paths: tuple[Path, ...]
+    shards: tuple[Shard, ...]
     sizes: np.ndarray  # samples per shard
-    offsets: np.ndarray  # global index of each shard's first sample (len(paths) + 1 entries)
+    offsets: np.ndarray  # global index of each shard's first sample (len(shards) + 1 entries)
     keys: tuple[str, ...]  # __key__ of every sample, by global index
     labels: np.ndarray  # int64 label of every sample, by global index
     starts: np.ndarray  # byte offset of each sample's first member header
@@ -177,18 +190,19 @@ class ShardIndex:
     @classmethod
     def of(cls, key: str, pattern: str) -> ShardIndex:
         """The index of ``data.<key>``'s shards (ConfigError: a missing shard, a bad sample)."""
-        paths = expand_urls(key, pattern)
-        per_shard = [shard_entries(p, key) for p in paths]
+        shards = expand_urls(key, pattern)
+        with said_for(f"data.{key}", pattern):
+            per_shard = [shard_entries(s, key) for s in shards]
         sizes = np.array([len(e) for e in per_shard], dtype=np.int64)
         if sizes.sum() == 0:
             raise ConfigError(
-                f"data.{key}={pattern} holds no samples ({len(paths)} shards, all empty); "
+                f"data.{key}={pattern} holds no samples ({len(shards)} shards, all empty); "
                 f"write samples <key>.png|jpg|npy + <key>.cls into them."
             )
         rows = [row for entries in per_shard for row in entries]
         col = list(zip(*rows, strict=True))
         return cls(
-            paths=tuple(paths),
+            shards=tuple(shards),
             sizes=sizes,
             offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
             keys=tuple(col[0]),

@@ -7,14 +7,17 @@ A sample is ``<key>.png|jpg|jpeg|npy`` + ``<key>.cls`` (WebDataset's naming); it
 its global index in the shard index (``webdataset.index``). :class:`ShardSamples` reads any
 sample by index (evaluation, ``replay --save``); for training, :class:`PlanReader` is the
 DataLoader's iterable dataset: each loader worker reads its range of the epoch plan
-(``webdataset.plan``) sequentially, one shuffle block's byte range at a time.
+(``webdataset.plan``) sequentially, one shuffle block's byte range at a time, the next few
+read ahead meanwhile (the network's latency hidden behind the samples already read).
 """
 
 from __future__ import annotations
 
 import io
-import os
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -27,7 +30,7 @@ from ddp_template.optional.webdataset.plan import DEFAULT_SHUFFLE_BLOCK, PlanSam
 
 Augment = Callable[[torch.Tensor, int], torch.Tensor]  # (input, sample index) -> input
 
-OPEN_SHARDS = 16  # file handles a process keeps (the least recently opened is closed first)
+READ_AHEAD = 4  # block runs a loader worker reads ahead of the one it hands out
 
 
 def decode(ext: str, raw: bytes) -> torch.Tensor:
@@ -48,11 +51,6 @@ class ShardSamples(Dataset):
 
     def __init__(self, index: ShardIndex, shuffle_block: int = DEFAULT_SHUFFLE_BLOCK) -> None:
         self.index, self.shuffle_block = index, shuffle_block
-        self._files: dict[int, Any] = {}
-        self._pid = os.getpid()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_files": {}}
 
     def __len__(self) -> int:
         return len(self.index)
@@ -60,29 +58,18 @@ class ShardSamples(Dataset):
     def fingerprint(self) -> str:
         """The shard index: every sample's key, label and byte ranges, shard by shard."""
         ix = self.index
-        names = [p.name for p in ix.paths]
+        names = [s.name for s in ix.shards]
         return array_fingerprint([names, ix.sizes, ix.keys, ix.labels, ix.starts, ix.stops])
 
     def key_of(self, i: int) -> str:
         return self.index.keys[i]
 
-    def _file(self, shard: int) -> Any:
-        if self._pid != os.getpid():  # a forked copy: its own handles
-            self._files, self._pid = {}, os.getpid()
-        if shard not in self._files:
-            if len(self._files) >= OPEN_SHARDS:  # a worker moves on through its shards
-                self._files.pop(next(iter(self._files))).close()
-            self._files[shard] = open(self.index.paths[shard], "rb")  # noqa: SIM115
-        return self._files[shard]
-
     def read(self, shard: int, lo: int, hi: int) -> tuple[int, bytes]:
         """The bytes of global samples ``lo..hi`` (one shard) in one read, and where they
-        begin in the file."""
-        ix = self.index
+        begin in the shard."""
+        ix, where = self.index, self.index.shards[shard]
         begin, end = int(ix.starts[lo]), int(ix.stops[hi])
-        handle = self._file(shard)
-        handle.seek(begin)
-        return begin, handle.read(end - begin)
+        return begin, where.storage.read_range(where.name, begin, end)
 
     def item(self, i: int, base: int, buffer: bytes) -> tuple[torch.Tensor, int, int]:
         ix = self.index
@@ -128,19 +115,30 @@ class PlanReader(IterableDataset):
         yield from self.read(self.indices(0 if info is None else info.id, epoch, start))
 
     def read(self, indices: np.ndarray) -> Iterator[tuple[torch.Tensor, int, int]]:
-        """The samples ``indices`` in order, one read per run of one shard's block."""
+        """The samples ``indices`` in order, one read per run of one shard's block; the next
+        ``READ_AHEAD`` runs are read meanwhile (threads), their samples still yielded in order."""
         ix, block = self.samples.index, self.samples.shuffle_block
         shard = np.searchsorted(ix.offsets, indices, side="right") - 1
         group = shard * (1 << 40) + (indices - ix.offsets[shard]) // block
         cuts = np.flatnonzero(np.diff(group)) + 1
-        for run in np.split(indices, cuts):
-            if not len(run):
-                continue
-            base, buffer = self.samples.read(
-                ix.shard_of(int(run[0])), int(run.min()), int(run.max())
-            )
-            for i in run.tolist():
-                yield self._augmented(self.samples.item(i, base, buffer))
+        runs = (run for run in np.split(indices, cuts) if len(run))
+
+        def fetch(run: np.ndarray) -> tuple[int, bytes]:
+            return self.samples.read(ix.shard_of(int(run[0])), int(run.min()), int(run.max()))
+
+        pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="read-ahead")
+        try:
+            ahead = deque((run, pool.submit(fetch, run)) for run in islice(runs, READ_AHEAD))
+            while ahead:
+                run, reading = ahead.popleft()
+                following = next(runs, None)
+                if following is not None:
+                    ahead.append((following, pool.submit(fetch, following)))
+                base, buffer = reading.result()
+                for i in run.tolist():
+                    yield self._augmented(self.samples.item(i, base, buffer))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def sharded_source(dataset: Any) -> tuple[ShardSamples, Augment | None] | None:
