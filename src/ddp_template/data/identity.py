@@ -11,8 +11,7 @@ change to a sample it did not read; give your dataset a ``fingerprint()`` where 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
-from pathlib import Path
+from collections.abc import Callable, Iterable
 from typing import Any, TypedDict, cast
 
 import numpy as np
@@ -50,19 +49,17 @@ def _feed(h: Any, leaf: Any) -> None:
         h.update(repr(leaf).encode())
 
 
-def file_fingerprint(path: Path) -> str:
+def file_fingerprint(size: int, name: str, read: Callable[[str, int, int], bytes]) -> str:
     """A file's bytes (whole up to ``FILE_WHOLE``; else ``PROBES`` blocks spread over it, and
-    its size)."""
-    h, size = _hasher(), path.stat().st_size
+    its size); ``read(name, begin, end)`` gives its bytes ``begin..end``."""
+    h = _hasher()
     h.update(str(size).encode())
-    with open(path, "rb") as f:
-        if size <= FILE_WHOLE:
-            for chunk in iter(lambda: f.read(FILE_BLOCK), b""):
-                h.update(chunk)
-        else:
-            for start in np.linspace(0, size - FILE_BLOCK, PROBES).astype(np.int64):
-                f.seek(int(start))
-                h.update(f.read(FILE_BLOCK))
+    if size <= FILE_WHOLE:
+        starts = np.arange(0, size, FILE_BLOCK)
+    else:
+        starts = np.linspace(0, size - FILE_BLOCK, PROBES).astype(np.int64)
+    for start in starts.tolist():
+        h.update(read(name, start, min(size, start + FILE_BLOCK)))
     return h.hexdigest()
 
 

@@ -279,7 +279,9 @@ def test_bad_shards_are_refused_in_one_sentence(tmp_path) -> None:
     missing = pattern.replace("000006}", "000007}")
     with pytest.raises(ConfigError, match=r"names .*train-000007.tar, which does not exist"):
         ShardIndex.of("train_urls", missing)
-    with pytest.raises(ConfigError, match=r"data.train_urls=pipe:curl -s http://host is a pipe: URL, which"):
+    with pytest.raises(
+        ConfigError, match=r"data.train_urls=pipe:curl -s http://host is a pipe: URL, which"
+    ):
         ShardIndex.of("train_urls", "pipe:curl -s http://host/train-{000000..000006}.tar")
     assert len(ShardIndex.of("train_urls", f"file://{pattern}")) == len(
         ShardIndex.of("train_urls", pattern)

@@ -3,18 +3,26 @@ uint32 for vocabularies over 65,536) beside ``meta.json``, the directory's metad
 
 ``meta.json`` gives the dtype, the vocabulary size, the tokenizer (``bytes``: one token per
 UTF-8 byte, what bits per byte needs) and each file's length in tokens, which the file's size
-must agree with. A file opens as a read-only memory map: nothing is read until a window is.
+must agree with. The directory is a local path or an ``s3://`` URL (read through ``storage``).
+A local file opens as a read-only memory map: nothing is read until a window is; an object's
+windows are read by byte ranges, overlapping or near windows in one range, a batch's ranges at
+once (``READERS`` threads per process).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ddp_template import storage
 from ddp_template.errors import ConfigError
+from ddp_template.storage import Folder, Storage, said_for
 
 META = "meta.json"
 FORMAT = "ddp_template.optional.tokens/1"
@@ -23,6 +31,7 @@ DTYPES: dict[str, np.dtype[np.unsignedinteger]] = {
     "uint32": np.dtype("<u4"),
 }
 BYTES = "bytes"  # the tokenizer of byte-level files: token = one UTF-8 byte, vocabulary 256
+READERS = 8  # threads a process reads an object's ranges with
 
 
 def dtype_for(vocab_size: int) -> str:
@@ -40,9 +49,10 @@ class TokenMeta:
     tokens: dict[str, int]  # file name → its length in tokens
 
     @classmethod
-    def read(cls, directory: Path) -> TokenMeta:
-        path = Path(directory) / META
-        if not path.is_file():
+    def read(cls, where: Storage, held: set[str]) -> TokenMeta:
+        """The ``meta.json`` of ``where`` (which holds the names ``held``)."""
+        path, directory = where.where(META), where.root
+        if META not in held:
             raise ConfigError(
                 f"data.path={directory} has no {META} (the token files' dtype, vocabulary and "
                 f"lengths); write the files with python -m "
@@ -50,7 +60,7 @@ class TokenMeta:
                 f'add {META} as README "Token files" shows.'
             )
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(where.read(META))
             meta = cls(
                 dtype=str(raw["dtype"]),
                 vocab_size=int(raw["vocab_size"]),
@@ -92,47 +102,92 @@ class TokenMeta:
 
 @dataclass(frozen=True)
 class TokenFile:
-    """One token file, memory-mapped read-only, checked against its metadata."""
+    """One token file, checked against its metadata: a local one memory-mapped read-only
+    (``ids``), an object read by ranges (``ids`` None)."""
 
-    path: Path
+    storage: Storage
+    name: str
     meta: TokenMeta
-    ids: np.memmap | np.ndarray  # the tokens
+    count: int  # tokens
+    ids: np.memmap | np.ndarray | None
 
     @classmethod
-    def open(cls, directory: Path, name: str, key: str) -> TokenFile:
+    def open(cls, directory: str | Path, name: str, key: str) -> TokenFile:
         """``directory/name``, the file ``key`` (a config key) names."""
-        directory = Path(directory)
-        path = directory / name
-        if not path.is_file():
-            raise ConfigError(
-                f"{key}={name}: no token file {path}; write it with python -m "
-                f"ddp_template.optional.tokens.writer write --text FILE --out {directory}, or "
-                f"point "
-                f"data.path at the directory that holds it."
-            )
-        meta = TokenMeta.read(directory)
+        where = storage.at(directory, key="data.path")
+        with said_for("data.path", str(directory)):
+            held = set(where.names())
+            path = where.where(name)
+            if name not in held:
+                raise ConfigError(
+                    f"{key}={name}: no token file {path}; write it with python -m "
+                    f"ddp_template.optional.tokens.writer write --text FILE --out {directory}, or "
+                    f"point data.path at the directory that holds it."
+                )
+            meta = TokenMeta.read(where, held)
+            size = where.size(name)
         dtype = DTYPES[meta.dtype]
-        size = path.stat().st_size
         if size % dtype.itemsize:
             raise ConfigError(
                 f"{path} is {size:,} bytes, not a whole number of {meta.dtype} tokens "
                 f"({dtype.itemsize} bytes each): the file is truncated or not {meta.dtype}; "
-                f"rewrite it, or fix dtype in {directory / META}."
+                f"rewrite it, or fix dtype in {where.where(META)}."
             )
         count = size // dtype.itemsize
         if meta.tokens.get(name) != count:
             said = meta.tokens.get(name)
             raise ConfigError(
-                f"{directory / META} says {name} holds {said} tokens but {path} holds {count:,} "
+                f"{where.where(META)} says {name} holds {said} tokens but {path} holds {count:,} "
                 f"{meta.dtype} tokens: the file was changed after its metadata was written; "
                 f"rewrite both with the writer, or set tokens.{name} to {count} if the file is "
                 f"right."
             )
-        ids = np.memmap(path, dtype=dtype, mode="r") if count else np.zeros(0, dtype)
-        return cls(path, meta, ids)
+        ids = None
+        if isinstance(where, Folder):
+            ids = (
+                np.memmap(where.path / name, dtype=dtype, mode="r") if count else np.zeros(0, dtype)
+            )
+        return cls(where, name, meta, count, ids)
+
+    @property
+    def where(self) -> str:
+        return self.storage.where(self.name)
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return self.count
+
+    def rows(self, starts: np.ndarray, span: int) -> np.ndarray:
+        """The ``span`` tokens from each of ``starts``: one row each."""
+        if self.ids is not None:
+            return self.ids[starts[:, None] + np.arange(span)]
+        dtype = DTYPES[self.meta.dtype]
+        order = np.argsort(starts, kind="stable")
+        first = starts[order]
+        groups = np.split(order, np.flatnonzero(np.diff(first) > 2 * span) + 1)
+
+        def read(group: np.ndarray) -> np.ndarray:
+            lo, hi = int(starts[group].min()), int(starts[group].max()) + span
+            data = self.storage.read_range(self.name, lo * dtype.itemsize, hi * dtype.itemsize)
+            return np.frombuffer(data, dtype)[(starts[group] - lo)[:, None] + np.arange(span)]
+
+        out = np.empty((len(starts), span), dtype)
+        parts = [read(groups[0])] if len(groups) == 1 else list(_readers().map(read, groups))
+        for group, part in zip(groups, parts, strict=True):
+            out[group] = part
+        return out
+
+
+_pool: dict[int, ThreadPoolExecutor] = {}
+_pool_lock = threading.Lock()
+
+
+def _readers() -> ThreadPoolExecutor:
+    """This process's threads for range reads (a loader worker after the fork makes its own)."""
+    with _pool_lock:
+        if os.getpid() not in _pool:
+            _pool.clear()
+            _pool[os.getpid()] = ThreadPoolExecutor(READERS, thread_name_prefix="tokens")
+        return _pool[os.getpid()]
 
 
 def write_tokens(directory: Path, name: str, ids: np.ndarray, meta: TokenMeta) -> TokenMeta:

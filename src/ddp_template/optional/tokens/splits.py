@@ -10,6 +10,7 @@ from ddp_template.errors import ConfigError
 from ddp_template.optional.tokens.file import BYTES, TokenFile
 from ddp_template.optional.tokens.kind import Windowed
 from ddp_template.optional.tokens.windows import Windows
+from ddp_template.storage import is_url
 
 
 def tokens(
@@ -20,7 +21,8 @@ def tokens(
     stride: int | None = None,
 ) -> Splits:
     """Windows of ``block_size + 1`` tokens, one every ``stride`` (default ``block_size``: each
-    token is a target once) of ``path/train`` for training and of ``path/test`` for evaluation.
+    token is a target once) of ``path/train`` for training and of ``path/test`` for evaluation
+    (``path``: a directory, or an ``s3://`` prefix).
 
     ``DataInfo.extra`` tells the model ``vocab_size`` and ``block_size``, and the task whether
     a token is a byte (``byte_level``: bits per byte)."""
@@ -34,14 +36,13 @@ def tokens(
             f"data.stride={stride} must be in 1..block_size + 1 = {block_size + 1}: a larger "
             f"stride skips tokens between windows; use data.stride=null (= block_size)."
         )
-    directory = Path(path)
-    if not directory.is_dir():
+    if not is_url(path) and not Path(path).is_dir():
         raise ConfigError(
             f"data.path={path} is not a directory; write token files there with python -m "
             f"ddp_template.optional.tokens.writer write --text FILE --out {path}."
         )
     files = [
-        TokenFile.open(directory, name, key)
+        TokenFile.open(path, name, key)
         for name, key in ((train, "data.train"), (test, "data.test"))
     ]
     train_windows, test_windows = (Windows(f, block_size, stride) for f in files)

@@ -59,7 +59,6 @@ class Windows(Dataset):
 
     def __init__(self, file: TokenFile, block_size: int, stride: int) -> None:
         self.file, self.cut = file, Cut(len(file), block_size, stride)
-        self._span = np.arange(block_size + 1, dtype=np.int64)
 
     def __len__(self) -> int:
         return self.cut.count
@@ -71,24 +70,26 @@ class Windows(Dataset):
     def fingerprint(self) -> str:
         """The token file's bytes (``data.identity.file_fingerprint``) and the cut."""
         cut = (self.cut.block_size, self.cut.stride)
-        return array_fingerprint([file_fingerprint(self.file.path), cut])
+        f = self.file
+        read = f.storage.read_range
+        return array_fingerprint([file_fingerprint(f.storage.size(f.name), f.name, read), cut])
 
     def key_of(self, i: int) -> str:
         """Window ``i`` as replay names it: the file and its tokens' range."""
         start = self.offset(i)
-        return f"{self.file.path.name}[{start}:{start + self.cut.block_size + 1}]"
+        return f"{self.file.name}[{start}:{start + self.cut.block_size + 1}]"
 
     def _read(self, indices: np.ndarray) -> np.ndarray:
         if len(indices) and not (indices.min() >= 0 and indices.max() < self.cut.count):
             bad = int(indices[(indices < 0) | (indices >= self.cut.count)][0])
-            raise IndexError(f"window {bad} is outside {self.file.path} [0, {self.cut.count})")
-        rows = self.file.ids[indices[:, None] * self.cut.stride + self._span]
+            raise IndexError(f"window {bad} is outside {self.file.where} [0, {self.cut.count})")
+        rows = self.file.rows(indices * self.cut.stride, self.cut.block_size + 1)
         vocab = self.file.meta.vocab_size
         if rows.size and int(rows.max()) >= vocab:
             r, c = np.argwhere(rows >= vocab)[0]
             i = int(indices[r])
             raise BadToken(
-                f"{self.file.path} holds token id {int(rows[r, c])} at offset "
+                f"{self.file.where} holds token id {int(rows[r, c])} at offset "
                 f"{self.offset(i) + int(c)} (window {i}, {self.key_of(i)}), outside the "
                 f"vocabulary 0..{vocab - 1} of its meta.json: the file was written with "
                 f"another tokenizer; rewrite it, or set vocab_size to the tokenizer's."

@@ -17,6 +17,7 @@ import io
 import json
 import tarfile
 from dataclasses import dataclass
+from typing import IO
 
 import numpy as np
 
@@ -167,8 +168,12 @@ def shard_entries(shard: Shard, key: str) -> list[list]:
             pass  # unreadable or half-written by an older version: index again
     entries = scan_shard(shard, key)["samples"]
     body = json.dumps({**stamp, "samples": entries}).encode()
+
+    def fill(f: IO[bytes]) -> None:
+        f.write(body)
+
     with contextlib.suppress(OSError, ConfigError):  # read-only: not cached
-        where.publish(cache, lambda f: f.write(body))
+        where.publish(cache, fill)
     return entries
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from ddp_template.data.contract import Batch
 from ddp_template.data.identity import array_fingerprint
 from ddp_template.optional.webdataset.index import ShardIndex
 from ddp_template.optional.webdataset.plan import DEFAULT_SHUFFLE_BLOCK, PlanSampler
@@ -71,6 +72,30 @@ class ShardSamples(Dataset):
         begin, end = int(ix.starts[lo]), int(ix.stops[hi])
         return begin, where.storage.read_range(where.name, begin, end)
 
+    def runs(self, indices: np.ndarray) -> list[np.ndarray]:
+        """``indices`` cut where the shard or the shuffle block changes: a run is one read."""
+        ix = self.index
+        shard = np.searchsorted(ix.offsets, indices, side="right") - 1
+        group = shard * (1 << 40) + (indices - ix.offsets[shard]) // self.shuffle_block
+        return [run for run in np.split(indices, np.flatnonzero(np.diff(group)) + 1) if len(run)]
+
+    def read_run(self, run: np.ndarray) -> tuple[int, bytes]:
+        return self.read(self.index.shard_of(int(run[0])), int(run.min()), int(run.max()))
+
+    def get_batch(self, indices: list[int]) -> Batch | list:
+        """Items ``indices`` collated (as torch's default collate would), one read per run:
+        an evaluation's batch of consecutive samples is one range."""
+        index = np.asarray(indices, dtype=np.int64)
+        if not len(index):
+            return []
+        items = []
+        for run in self.runs(index):
+            base, buffer = self.read_run(run)
+            items += [self.item(i, base, buffer) for i in run.tolist()]
+        x = torch.stack([x for x, _, _ in items])
+        y = torch.tensor([y for _, y, _ in items], dtype=torch.int64)
+        return Batch((x, y, torch.from_numpy(index)))
+
     def item(self, i: int, base: int, buffer: bytes) -> tuple[torch.Tensor, int, int]:
         ix = self.index
         lo = int(ix.input_offset[i]) - base
@@ -117,15 +142,7 @@ class PlanReader(IterableDataset):
     def read(self, indices: np.ndarray) -> Iterator[tuple[torch.Tensor, int, int]]:
         """The samples ``indices`` in order, one read per run of one shard's block; the next
         ``READ_AHEAD`` runs are read meanwhile (threads), their samples still yielded in order."""
-        ix, block = self.samples.index, self.samples.shuffle_block
-        shard = np.searchsorted(ix.offsets, indices, side="right") - 1
-        group = shard * (1 << 40) + (indices - ix.offsets[shard]) // block
-        cuts = np.flatnonzero(np.diff(group)) + 1
-        runs = (run for run in np.split(indices, cuts) if len(run))
-
-        def fetch(run: np.ndarray) -> tuple[int, bytes]:
-            return self.samples.read(ix.shard_of(int(run[0])), int(run.min()), int(run.max()))
-
+        runs, fetch = iter(self.samples.runs(indices)), self.samples.read_run
         pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="read-ahead")
         try:
             ahead = deque((run, pool.submit(fetch, run)) for run in islice(runs, READ_AHEAD))
