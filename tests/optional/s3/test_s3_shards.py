@@ -27,7 +27,14 @@ pytestmark = pytest.mark.needs("webdataset")
 URL = "s3://digits/v1"
 TRAIN, TEST = f"{URL}/train-{{000000..000003}}.tar", f"{URL}/test-000000.tar"
 DATA = ["data=webdataset", f"data.train_urls='{TRAIN}'", f"data.test_urls='{TEST}'"]
-RUN = [*DATA, "dist.nproc=2", "loader.num_workers=2", "sampler=exact", "epochs=2"]
+RUN = [
+    *DATA,
+    "data.shuffle_block=16",
+    "dist.nproc=2",
+    "loader.num_workers=2",
+    "sampler=exact",
+    "epochs=2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +68,7 @@ def faulty(s3_server: LocalS3, clean: Path, tmp_path_factory: pytest.TempPathFac
     faults = s3_server.faults
     assert faults is not None
     failed, cut = faults.served.failed, faults.served.cut
-    faults.fail_share, faults.cuts, faults.cut_min_bytes = 0.05, 1, 64 << 10
+    faults.fail_share, faults.cuts, faults.cut_min_bytes = 0.05, 1, 16 << 10
     try:
         run_dir = launch(s3_server, tmp_path_factory.mktemp("faulty"), "faulty")
     finally:
