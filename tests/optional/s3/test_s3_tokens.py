@@ -11,6 +11,7 @@ from helpers import assert_killed_rank_reported, jsonl, run, run_env, train_cmd
 
 from ddp_template.errors import ConfigError
 from ddp_template.optional.s3.server import LocalS3
+from ddp_template.optional.tokens import file
 
 pytestmark = pytest.mark.needs("tokens", "gpt")
 
@@ -62,17 +63,24 @@ def test_killed_at_2_ranks_resumed_at_3_every_window_once(s3, corpus, tmp_path) 
     assert len(seen) == WINDOWS and set(seen.values()) == {1}
 
 
-def test_token_windows_read_by_ranges_are_the_file_s(s3, corpus, tmp_path) -> None:
+@pytest.mark.parametrize("hold", [file.HOLD_BYTES, 0])
+def test_token_windows_held_or_read_by_ranges_are_the_file_s(s3, corpus, tmp_path, hold) -> None:
+    """A small object held whole, or (``HOLD_BYTES`` 0) each batch's windows by ranges."""
     from ddp_template.optional.tokens.splits import tokens
 
     local = tmp_path / "local"
     s3.client().download_file("tokens", "corpus/train.bin", str(local))
     ids = np.fromfile(local, dtype="<u2")
-    windows = tokens(corpus, block_size=32).train
-    picked = [5, 0, 280, 6, 7, 100]  # near ones share a range; the order is kept
-    x, y, index = windows.get_batch(picked)
+    file._held.clear()
+    asked = s3.faults.served.range_reads
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(file, "HOLD_BYTES", hold)
+        windows = tokens(corpus, block_size=32).train
+        picked = [5, 0, 280, 6, 7, 100]  # near ones share a range; the order is kept
+        x, y, index = windows.get_batch(picked)
     want = np.stack([ids[32 * i : 32 * i + 33] for i in picked])
     assert np.array_equal(x.numpy(), want[:, :-1]) and np.array_equal(y.numpy(), want[:, 1:])
     assert index.tolist() == picked
+    assert s3.faults.served.range_reads - asked == (1 if hold else 4)  # 0; 5-7; 100; 280
     with pytest.raises(ConfigError, match=r"^data.path=s3://nowhere/c: bucket nowhere \(of "):
         tokens("s3://nowhere/c")

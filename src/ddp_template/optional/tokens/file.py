@@ -4,9 +4,11 @@ uint32 for vocabularies over 65,536) beside ``meta.json``, the directory's metad
 ``meta.json`` gives the dtype, the vocabulary size, the tokenizer (``bytes``: one token per
 UTF-8 byte, what bits per byte needs) and each file's length in tokens, which the file's size
 must agree with. The directory is a local path or an ``s3://`` URL (read through ``storage``).
-A local file opens as a read-only memory map: nothing is read until a window is; an object's
-windows are read by byte ranges, overlapping or near windows in one range, a batch's ranges at
-once (``READERS`` threads per process).
+A local file opens as a read-only memory map: nothing is read until a window is. An object up
+to ``HOLD_BYTES`` is read whole on first use and held (a random window per request is bound by
+the request rate: 8 KiB of windows per round trip); a larger one's windows are read by byte
+ranges, overlapping or near windows in one range, a batch's ranges at once (``READERS``
+threads per process).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ DTYPES: dict[str, np.dtype[np.unsignedinteger]] = {
 }
 BYTES = "bytes"  # the tokenizer of byte-level files: token = one UTF-8 byte, vocabulary 256
 READERS = 8  # threads a process reads an object's ranges with
+HOLD_BYTES = 64 << 20  # an object up to this size is read whole once and held in memory
+HOLD_PART = 8 << 20  # bytes per request of such a whole read
 
 
 def dtype_for(vocab_size: int) -> str:
@@ -158,8 +162,9 @@ class TokenFile:
 
     def rows(self, starts: np.ndarray, span: int) -> np.ndarray:
         """The ``span`` tokens from each of ``starts``: one row each."""
-        if self.ids is not None:
-            return self.ids[starts[:, None] + np.arange(span)]
+        ids = self.ids if self.ids is not None else self._held()
+        if ids is not None:
+            return ids[starts[:, None] + np.arange(span)]
         dtype = DTYPES[self.meta.dtype]
         order = np.argsort(starts, kind="stable")
         first = starts[order]
@@ -176,8 +181,28 @@ class TokenFile:
             out[group] = part
         return out
 
+    def _held(self) -> np.ndarray | None:
+        """An object of up to ``HOLD_BYTES``: its tokens, read whole once (``HOLD_PART`` bytes a
+        request, at once) and held (by the process, and the loader workers forked after)."""
+        dtype = DTYPES[self.meta.dtype]
+        size = self.count * dtype.itemsize
+        if size > HOLD_BYTES:
+            return None
+        with _pool_lock:
+            ids = _held.get(self.where)
+        if ids is None:
+            parts = _readers().map(
+                lambda at: self.storage.read_range(self.name, at, min(size, at + HOLD_PART)),
+                range(0, size, HOLD_PART),
+            )
+            ids = np.frombuffer(b"".join(parts), dtype)
+            with _pool_lock:
+                _held[self.where] = ids
+        return ids
+
 
 _pool: dict[int, ThreadPoolExecutor] = {}
+_held: dict[str, np.ndarray] = {}  # an object's tokens, by its URL
 _pool_lock = threading.Lock()
 
 
