@@ -1,7 +1,8 @@
 """A real S3 server on this machine, and faults injected in front of it: for the tests, the
 benchmark, and trying ``s3://`` runs on a laptop.
 
-    python -m ddp_template.optional.s3.server     # prints the AWS_* lines to export; Ctrl-C stops
+    python -m ddp_template.optional.s3.server --bucket data [--upload FOLDER s3://data/x]
+    # prints the AWS_* lines to export; Ctrl-C stops
 
 :class:`LocalS3` runs moto's S3 server (``moto[server]``) in this process on a loopback port,
 with its credentials checked (an IAM user and its key, made once per process; any other key is
@@ -257,10 +258,20 @@ def _user_key(endpoint: str) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bucket", action="append", default=[], help="create this bucket")
+    parser.add_argument(
+        "--upload",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("FOLDER", "URL"),
+        help="copy FOLDER's files under s3://bucket/prefix (a bucket --bucket made)",
+    )
     args = parser.parse_args(argv)
     with LocalS3() as server:
         for name in args.bucket:
             server.bucket(name)
+        for folder, url in args.upload:
+            server.upload(Path(folder), url)
         for name, value in server.env.items():
             print(f"export {name}={value}")
         print("# serving until Ctrl-C", flush=True)
