@@ -16,7 +16,8 @@ Each is timed as ``benchmarks/shards.py`` times it (both ranks at once, 3 epochs
 epoch, images over the slower rank's seconds). Rounds are paired and interleaved, the order
 rotated each round, and every ratio is taken within a round. Then the bytes: one more s3
 measurement's body bytes as the server counts them, per epoch, against the bytes of the samples
-(each sample's byte range in its shard, summed): what a read costs beyond the samples it serves.
+(each sample's byte range in its shard, summed): what a read costs beyond the samples it serves;
+and the server's own CPU seconds, which here come out of the same cores the ranks decode on.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,10 +57,14 @@ def main() -> None:
         index = ShardIndex.of("train_urls", remote)  # both indexes cached before any timing
         ShardIndex.of("train_urls", local)
         rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        server_s: list[float] = []
         for r in range(args.rounds):
             order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
             for variant in order:
+                cpu = time.process_time()  # this process runs only the server meanwhile
                 rates[variant].append(measure("template", patterns[variant], samples))
+                if variant == "s3":
+                    server_s.append(time.process_time() - cpu)
             print(f"round {r + 1}: " + ", ".join(f"{v} {rates[v][-1]:.0f}" for v in VARIANTS))
         assert server.faults is not None
         served = server.faults.served
@@ -87,6 +93,8 @@ def main() -> None:
         f"\nA/A (local / local again): median {statistics.median(aa):.3f}x",
         f"bytes read from S3 per epoch (both ranks): {read:,.0f} in {reads:.0f} range reads; "
         f"the samples' bytes: {needed:,}; read / needed = {read / needed:.3f}",
+        f"the local S3 server's CPU (moto and the proxy, in the benchmark's process, on the "
+        f"ranks' cores): median {statistics.median(server_s):.2f} s per s3 measurement",
     ]
     text = "\n".join(lines)
     print(text)

@@ -145,13 +145,13 @@ class PlanReader(IterableDataset):
         runs, fetch = iter(self.samples.runs(indices)), self.samples.read_run
         pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="read-ahead")
         try:
-            ahead = deque((run, pool.submit(fetch, run)) for run in islice(runs, READ_AHEAD))
+            # the first run alone, so the epoch's first batch does not wait on the ones after
+            ahead = deque((run, pool.submit(fetch, run)) for run in islice(runs, 1))
             while ahead:
                 run, reading = ahead.popleft()
-                following = next(runs, None)
-                if following is not None:
-                    ahead.append((following, pool.submit(fetch, following)))
                 base, buffer = reading.result()
+                for following in islice(runs, READ_AHEAD - len(ahead)):
+                    ahead.append((following, pool.submit(fetch, following)))
                 for i in run.tolist():
                     yield self._augmented(self.samples.item(i, base, buffer))
         finally:
