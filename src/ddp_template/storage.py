@@ -102,7 +102,7 @@ def said_for(key: str, value: str) -> Iterator[None]:
     try:
         yield
     except ConfigError as refused:
-        if str(refused).startswith(f"{key}="):
+        if str(refused).startswith(key):  # it names the setting already
             raise
         raise ConfigError(f"{key}={value}: {refused}") from None
 

@@ -53,10 +53,10 @@ class TokenMeta:
     tokens: dict[str, int]  # file name → its length in tokens
 
     @classmethod
-    def read(cls, where: Storage, held: set[str]) -> TokenMeta:
-        """The ``meta.json`` of ``where`` (which holds the names ``held``)."""
+    def read(cls, where: Storage, raw: bytes | None) -> TokenMeta:
+        """The ``meta.json`` of ``where``, read as ``raw`` (None: there is none)."""
         path, directory = where.where(META), where.root
-        if META not in held:
+        if raw is None:
             raise ConfigError(
                 f"data.path={directory} has no {META} (the token files' dtype, vocabulary and "
                 f"lengths); write the files with python -m "
@@ -64,12 +64,12 @@ class TokenMeta:
                 f'add {META} as README "Token files" shows.'
             )
         try:
-            raw = json.loads(where.read(META))
+            body = json.loads(raw)
             meta = cls(
-                dtype=str(raw["dtype"]),
-                vocab_size=int(raw["vocab_size"]),
-                tokenizer=str(raw.get("tokenizer", "")),
-                tokens={str(k): int(v) for k, v in raw["tokens"].items()},
+                dtype=str(body["dtype"]),
+                vocab_size=int(body["vocab_size"]),
+                tokenizer=str(body.get("tokenizer", "")),
+                tokens={str(k): int(v) for k, v in body["tokens"].items()},
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(
@@ -119,17 +119,18 @@ class TokenFile:
     def open(cls, directory: str | Path, name: str, key: str) -> TokenFile:
         """``directory/name``, the file ``key`` (a config key) names."""
         where = storage.at(directory, key="data.path")
-        with said_for("data.path", str(directory)):
+        path = where.where(name)
+        with said_for("data.path", str(directory)):  # a wrong bucket, refused credentials
             held = set(where.names())
-            path = where.where(name)
-            if name not in held:
-                raise ConfigError(
-                    f"{key}={name}: no token file {path}; write it with python -m "
-                    f"ddp_template.optional.tokens.writer write --text FILE --out {directory}, or "
-                    f"point data.path at the directory that holds it."
-                )
-            meta = TokenMeta.read(where, held)
-            size = where.size(name)
+            raw = where.read(META) if META in held else None
+            size = where.size(name) if name in held else 0
+        if name not in held:
+            raise ConfigError(
+                f"{key}={name}: no token file {path}; write it with python -m "
+                f"ddp_template.optional.tokens.writer write --text FILE --out {directory}, or "
+                f"point data.path at the directory that holds it."
+            )
+        meta = TokenMeta.read(where, raw)
         dtype = DTYPES[meta.dtype]
         if size % dtype.itemsize:
             raise ConfigError(
