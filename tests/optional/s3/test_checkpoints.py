@@ -2,7 +2,8 @@
 
 - A DDP run killed with SIGKILL inside a save (``fault.phase=write``: its bytes written, not yet
   published) leaves the previous checkpoint as ``last.pt`` and nothing half-written; resumed
-  from the bucket it ends bit-identical to an uninterrupted run that checkpointed to local disk.
+  from the bucket it ends bit-identical to an uninterrupted run that checkpointed to local disk,
+  and the store's secret is in no file of its run directory (W&B's offline files included).
 - An FSDP2 run's DCP slices in the bucket, the run killed and resumed at another world size;
   ``export`` and ``finetune.init_from`` read the sliced weights back from the bucket.
 - A wrong bucket and refused credentials: one sentence each at startup, exit 2, and the secret
@@ -71,15 +72,22 @@ def test_a_save_killed_mid_write_keeps_the_last_complete_one_and_resumes_identic
     where = storage.at(f"s3://{BUCKET}/cut")
     assert where.names() == ["last.pt"]  # nothing half-written beside it
     assert torch.load(io.BytesIO(where.read("last.pt")))["progress"]["step"] == 6
+    wandb = ["logger=wandb", "logger.log_checkpoints=last"]  # a reference to the object
     proc = launch(
-        ddp_runs, s3, "cut", *BASE, f"checkpoint.folder=s3://{BUCKET}/cut", "dist.nproc=2"
+        ddp_runs, s3, "cut", *BASE, f"checkpoint.folder=s3://{BUCKET}/cut", "dist.nproc=2", *wandb
     )
-    assert f"resumed from s3://{BUCKET}/cut/last.pt at epoch 1, step 6" in proc.stdout + proc.stderr
+    output = proc.stdout + proc.stderr
+    assert f"resumed from s3://{BUCKET}/cut/last.pt at epoch 1, step 6" in output
+    assert "could not log checkpoint" not in output
     local = model_at(str(ddp_runs / "outputs/local/checkpoints/last.pt"))
     resumed = model_at(f"s3://{BUCKET}/cut/last.pt")
     assert local.keys() == resumed.keys()
     assert [k for k in local if not torch.equal(local[k], resumed[k])] == []
     assert not (ddp_runs / "outputs/cut/checkpoints").exists()  # nothing went to the run dir
+    secret = s3.env["AWS_SECRET_ACCESS_KEY"].encode()
+    files = [p for p in (ddp_runs / "outputs/cut").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files)
+    assert [p for p in files if secret in p.read_bytes()] == []
 
 
 LM = [
