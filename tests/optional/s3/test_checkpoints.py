@@ -3,7 +3,8 @@
 - A DDP run killed with SIGKILL inside a save (``fault.phase=write``: its bytes written, not yet
   published) leaves the previous checkpoint as ``last.pt`` and nothing half-written; resumed
   from the bucket it ends bit-identical to an uninterrupted run that checkpointed to local disk,
-  and the store's secret is in no file of its run directory (W&B's offline files included).
+  and the store's secret is in no file of its run directory (W&B's offline files included);
+  ``checkpoint.async_save`` publishes to the bucket from its writer thread, whole.
 - An FSDP2 run's DCP slices in the bucket, the run killed and resumed at another world size;
   ``export`` and ``finetune.init_from`` read the sliced weights back from the bucket.
 - A wrong bucket and refused credentials: one sentence each at startup, exit 2, and the secret
@@ -13,15 +14,17 @@
 from __future__ import annotations
 
 import io
+import threading
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_killed_rank_reported, jsonl, run, run_env, train_cmd
+from helpers import assert_killed_rank_reported, cpu_rank, jsonl, run, run_env, train_cmd
 
 from ddp_template import storage
-from ddp_template.checkpoint import load, whole
+from ddp_template.checkpoint import Checkpointer, load, whole
 from ddp_template.config.loop import FinetuneConfig
+from ddp_template.config.schema import CheckpointConfig
 from ddp_template.errors import EXIT_CONFIG_ERROR
 from ddp_template.export import main as export_main
 from ddp_template.finetune import init_weights
@@ -168,3 +171,52 @@ def test_a_wrong_bucket_and_refused_credentials_are_one_sentence_and_never_said(
         assert "Traceback" not in output and secret not in output
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert not [p for p in written if secret.encode() in p.read_bytes()]
+
+
+def test_an_async_save_to_the_bucket_is_published_whole_after_training_moved_on(s3) -> None:
+    """checkpoint.async_save: the writer thread held between writing and publishing: the bucket
+    still shows the previous checkpoint; released, the state of the save, not of later steps."""
+    s3.bucket("async")
+    model = torch.nn.Linear(32, 32)
+    inside, release, held = threading.Event(), threading.Event(), {"on": False}
+
+    def hold(payload: dict) -> None:
+        if held["on"]:
+            inside.set()
+            assert release.wait(30)
+
+    ckpt = Checkpointer(
+        directory="s3://async/run",
+        cfg=CheckpointConfig(async_save=True),
+        parts={"model": Weights(model)},
+        config_yaml="",
+        info=cpu_rank(),
+        before_publish=hold,
+    )
+    ckpt.save()
+    ckpt.wait()
+    first = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    second = model.weight.detach().clone()
+    held["on"] = True
+    ckpt.save()
+    assert inside.wait(30)
+    assert torch.equal(load("s3://async/run/last.pt")["model"]["weight"], first)
+    with torch.no_grad():
+        model.weight.mul_(3.0)  # the next step, while the write runs
+    release.set()
+    ckpt.close()
+    assert torch.equal(load("s3://async/run/last.pt")["model"]["weight"], second)
+    assert storage.at("s3://async/run").names() == ["last.pt"]
+
+
+class Weights:
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state)
