@@ -2,7 +2,8 @@
 
 - A DDP run killed with SIGKILL inside a save (``fault.phase=write``: its bytes written, not yet
   published) leaves the previous checkpoint as ``last.pt`` and nothing half-written; resumed
-  from the bucket it ends bit-identical to an uninterrupted run that checkpointed to local disk,
+  from the bucket it ends bit-identical to an uninterrupted run that checkpointed to local disk
+  (``replay --losses`` reads its weights from the bucket),
   and the store's secret is in no file of its run directory (W&B's offline files included);
   ``checkpoint.async_save`` publishes to the bucket from its writer thread, whole.
 - An FSDP2 run's DCP slices in the bucket, the run killed and resumed at another world size;
@@ -28,6 +29,7 @@ from ddp_template.config.schema import CheckpointConfig
 from ddp_template.errors import EXIT_CONFIG_ERROR
 from ddp_template.export import main as export_main
 from ddp_template.finetune import init_weights
+from ddp_template.replay import main as replay_main
 
 BASE = [
     "data=synthetic",
@@ -70,7 +72,7 @@ def ddp_runs(tmp_path_factory: pytest.TempPathFactory, s3_server) -> Path:
 
 
 def test_a_save_killed_mid_write_keeps_the_last_complete_one_and_resumes_identically(
-    ddp_runs: Path, s3
+    ddp_runs: Path, s3, capsys: pytest.CaptureFixture
 ) -> None:
     where = storage.at(f"s3://{BUCKET}/cut")
     assert where.names() == ["last.pt"]  # nothing half-written beside it
@@ -86,9 +88,12 @@ def test_a_save_killed_mid_write_keeps_the_last_complete_one_and_resumes_identic
     resumed = model_at(f"s3://{BUCKET}/cut/last.pt")
     assert local.keys() == resumed.keys()
     assert [k for k in local if not torch.equal(local[k], resumed[k])] == []
-    assert not (ddp_runs / "outputs/cut/checkpoints").exists()  # nothing went to the run dir
+    run_dir = ddp_runs / "outputs/cut"
+    assert not (run_dir / "checkpoints").exists()  # nothing went to the run dir
+    replay_main(["--step", "7", "--losses", f"s3://{BUCKET}/cut/last.pt", str(run_dir)])
+    assert "losses with the weights of step 10" in capsys.readouterr().err
     secret = s3.env["AWS_SECRET_ACCESS_KEY"].encode()
-    files = [p for p in (ddp_runs / "outputs/cut").rglob("*") if p.is_file()]
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
     assert any(p.suffix == ".wandb" for p in files)
     assert [p for p in files if secret in p.read_bytes()] == []
 
