@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_killed_rank_reported, cpu_rank, jsonl, run, run_env, train_cmd
+from test_async_checkpoint import Held
 
 from ddp_template import storage
 from ddp_template.checkpoint import Checkpointer, load, whole
@@ -193,7 +194,7 @@ def test_an_async_save_to_the_bucket_is_published_whole_after_training_moved_on(
     ckpt = Checkpointer(
         directory="s3://async/run",
         cfg=CheckpointConfig(async_save=True),
-        parts={"model": Weights(model)},
+        parts={"model": Held(model)},
         config_yaml="",
         info=cpu_rank(),
         before_publish=hold,
@@ -214,14 +215,3 @@ def test_an_async_save_to_the_bucket_is_published_whole_after_training_moved_on(
     ckpt.close()
     assert torch.equal(load("s3://async/run/last.pt")["model"]["weight"], second)
     assert storage.at("s3://async/run").names() == ["last.pt"]
-
-
-class Weights:
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-
-    def state_dict(self) -> dict:
-        return self.module.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state)
