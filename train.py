@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp_template import checks, distributed, fault_injection, launch, numerics, run_identity
 from ddp_template.amp import build_scaler
-from ddp_template.checkpoint import Checkpointer, Found, resume_rank0
+from ddp_template.checkpoint import Checkpointer, Found, folder_of, resume_rank0
 from ddp_template.checkpoint_parts import named_parts
 from ddp_template.config import boundary
 from ddp_template.config.schema import Config, register_configs
@@ -189,7 +189,7 @@ def checkpointer(s: Session) -> Checkpointer:
     tr, b = s.built.trainer, s.built
     return Checkpointer(
         **named_parts(tr, s.state, b.switches, b.selection, b.splits.info)._asdict(),
-        directory=s.run.run_dir / "checkpoints",
+        directory=folder_of(s.cfg.checkpoint, s.run.run_dir),
         cfg=s.cfg.checkpoint,
         config_yaml=OmegaConf.to_yaml(s.plain),
         info=tr.info,
@@ -371,7 +371,7 @@ def train(cfg: Config, run: run_identity.RunInfo) -> float:
         log.info("numerics: %s", numerics.describe())
         regroup = found is not None  # handed over: continued like a checkpoint of the old group
         if not regroup:
-            found = resume_rank0(cfg.resume, run.run_dir / "checkpoints", info)
+            found = resume_rank0(cfg.resume, folder_of(cfg.checkpoint, run.run_dir), info)
         s = tolerance.run(membership(cfg, run, tolerance, ending), info, found, regroup)
         s.logger.finish_run(s.result, s.built.splits, s.state.step, s.picture)
         name, _ = objective(s.built.trainer.task, s.cfg.selection.monitor, s.cfg.selection.mode)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -116,3 +117,30 @@ def digits101(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("digits101") / "digits101.npz"
     np.savez(path, x_train=x[:101], y_train=y[:101], x_test=x[101:141], y_test=y[101:141])
     return path
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[Any]:
+    """The local S3 server (moto, credentials checked) behind the fault proxy, one per test
+    module (``optional/s3/server.py``; imported here only when a test asks for it)."""
+    from ddp_template.optional.s3.server import Faults, LocalS3
+
+    with LocalS3(Faults()) as server:
+        yield server
+
+
+@pytest.fixture
+def s3(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The module's server, its credentials in this process's environment (``s3.env`` is what
+    a run's processes need); ``s3.faults`` cleared after the test."""
+    from ddp_template.optional.s3 import bucket
+    from ddp_template.optional.s3.server import Faults
+
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    bucket._clients.clear()  # a client made before holds the environment of then
+    yield s3_server
+    fresh = Faults()  # the proxy holds this object: reset in place
+    for name in ("fail_share", "down", "cuts", "cut_min_bytes", "delay_s"):
+        setattr(s3_server.faults, name, getattr(fresh, name))
+    bucket._clients.clear()

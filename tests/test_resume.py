@@ -297,7 +297,7 @@ def test_truncated_last_falls_back_to_older_checkpoint(tmp_path: Path, caplog) -
     data = (d / "last.pt").read_bytes()
     (d / "last.pt").write_bytes(data[: len(data) // 2])
     found = checkpoint.find_resume("auto", d)
-    assert found is not None and found[0].name == "epoch_1.pt" and found[1]["step"] == 8
+    assert found is not None and Path(found[0]).name == "epoch_1.pt" and found[1]["step"] == 8
     assert "last.pt cannot be read" in caplog.text
     assert sorted(p.name for p in d.iterdir()) == ["epoch_1.pt", "last.pt"]  # nothing deleted
     with pytest.raises(checkpoint.ConfigError, match="last.pt cannot be read"):

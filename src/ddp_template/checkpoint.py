@@ -6,15 +6,17 @@ each with its own ``state_dict``/``load_state_dict`` (the torchtitan way): the p
 the same on every rank are saved from rank 0, the per-rank parts are gathered from every
 rank. Restoring all of them makes a resumed run bit-identical to one that was never stopped. A
 part refuses a saved state it cannot take in one sentence (``Misfit``);
-this module knows none of them by name. Files are written to a temporary name, flushed to disk
-and renamed over the old one, so a crash mid-write never replaces a good checkpoint with half a
-file.
+this module knows none of them by name. Files go to ``checkpoint.folder`` (default
+``<run dir>/checkpoints``; a local path or an ``s3://`` prefix: ``storage``), each published
+atomically (a local file written to a temporary name, flushed and renamed over the old one; an
+object in one upload), so a crash mid-write never replaces a good checkpoint with half a file.
 
 Where each rank holds a slice of the weights (``parallel=fsdp2``), those parts (``sliced``) go
 through torch.distributed.checkpoint (DCP) instead: one file per rank in
-``slices/<name>/``, written to ``<name>.tmp`` and renamed once every rank's is in place, and
-the ``.pt`` file names that directory (``"slices"``). DCP lays them out again on load, at this
-run's world size, whatever it was at save. A directory no checkpoint names is deleted.
+``slices/<name>/`` (a new name each save), complete once DCP's metadata, written last, is in
+place; only then is a ``.pt`` file naming it (``"slices"``) published. DCP lays them out again on
+load, at this run's world size, whatever it was at save. A directory no checkpoint names is
+deleted.
 
 ``checkpoint.async_save=true``: ``save`` copies to CPU memory at the step boundary what the next
 step's forward and backward can change (the buffers) and every small part (DCP's stager, pinned
@@ -33,7 +35,6 @@ import copy
 import logging
 import os
 import re
-import shutil
 import threading
 import time
 import uuid
@@ -42,7 +43,7 @@ from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import IO, Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,9 +52,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
+from ddp_template import storage
 from ddp_template.config.schema import CheckpointConfig
 from ddp_template.distributed import DistInfo, broadcast_object, gather_objects
 from ddp_template.errors import ConfigError
+from ddp_template.storage import Storage
 
 log = logging.getLogger("ddp_template")
 FORMAT_VERSION = 4  # 4: stretch_steps, the data_info part
@@ -73,29 +76,19 @@ class Stateful(Protocol):
 
 
 Hook = Callable[[dict[str, Any]], None]
+Location = str | Path  # a checkpoint file: a local path or an object's URL (s3://…)
 
 
-def save_atomic(payload: dict[str, Any], path: Path, written: Hook | None = None) -> None:
-    """Write to ``<path>.tmp``, fsync, then rename over ``path`` (atomic on POSIX);
-    ``written(payload)`` runs between the two (a test's fault: ``fault.phase=write``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+def save_atomic(payload: dict[str, Any], path: Location, written: Hook | None = None) -> None:
+    """``payload`` published at ``path`` (a file or an object), atomically; ``written(payload)``
+    runs once its bytes are written, before they are published (a test's fault:
+    ``fault.phase=write``)."""
+
+    def fill(f: IO[bytes]) -> None:
         torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    if written is not None:
-        written(payload)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)  # make the rename itself durable
 
-
-def _fsync_dir(directory: Path) -> None:
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    folder, name = storage.parent(path)
+    folder.publish(name, fill, None if written is None else lambda: written(payload))
 
 
 class _InFlight:
@@ -245,10 +238,14 @@ def wait_in_flight() -> None:
 RESUME_FIX = "pass another file with resume=<path>, or resume=never to start fresh"
 
 
-def load(path: Path, fix: str = RESUME_FIX) -> dict[str, Any]:
+def load(path: Location, fix: str = RESUME_FIX) -> dict[str, Any]:
     """Load with ``weights_only=True``: a checkpoint file cannot run code."""
+    folder, name = storage.parent(path)
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        with folder.open(name) as f:
+            payload = torch.load(f, map_location="cpu", weights_only=True)
+    except ConfigError:
+        raise  # the object store's own sentence (a missing bucket, refused credentials)
     except Exception as exc:
         raise ConfigError(
             f"checkpoint {path} cannot be read ({type(exc).__name__}: "
@@ -262,25 +259,25 @@ def load(path: Path, fix: str = RESUME_FIX) -> dict[str, Any]:
             f"checkpoint {path} has format {payload['format']}, which this version of the "
             f"template no longer reads (it reads format {FORMAT_VERSION}); {fix}."
         )
-    if "slices" in payload and not (slices_of(path, payload) / ".metadata").is_file():
+    if "slices" in payload and not folder.exists(f"{slices_of(payload)}/.metadata"):
         raise ConfigError(
-            f"checkpoint {path} names the sliced weights in {slices_of(path, payload)}, which "
-            f"are missing or incomplete; {fix}."
+            f"checkpoint {path} names the sliced weights in "
+            f"{folder.where(slices_of(payload))}, which are missing or incomplete; {fix}."
         )
     return payload
 
 
-def slices_of(path: Path, payload: dict[str, Any]) -> Path:
-    """The DCP directory of a checkpoint's sliced parts."""
-    return path.parent / SLICES / payload["slices"]
+def slices_of(payload: dict[str, Any]) -> str:
+    """The DCP directory of a checkpoint's sliced parts, by name in the checkpoint's folder."""
+    return f"{SLICES}/{payload['slices']}"
 
 
-def _slice_metadata(where: Path) -> dict[str, Any]:
+def _slice_metadata(folder: Storage, name: str) -> dict[str, Any]:
     """What a DCP directory holds, by flattened key (``<part>.<key>…``)."""
-    return dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+    return folder.dcp_reader(name).read_metadata().state_dict_metadata
 
 
-def whole(path: Path, payload: dict[str, Any], *keys: str) -> dict[str, torch.Tensor] | None:
+def whole(path: Location, payload: dict[str, Any], *keys: str) -> dict[str, torch.Tensor] | None:
     """The tensors under ``keys`` of a checkpoint (a part's name, then keys inside its state),
     whole, by name: from the file, or read from its slices (every rank's, no process group);
     None where the checkpoint holds none."""
@@ -289,39 +286,45 @@ def whole(path: Path, payload: dict[str, Any], *keys: str) -> dict[str, torch.Te
         for key in keys:
             state = state.get(key) if isinstance(state, dict) else None
         return state
-    where = slices_of(path, payload)
+    folder, name = storage.parent(path)[0], slices_of(payload)
     prefix = ".".join(keys) + "."
     state = {
         k: torch.empty(m.size, dtype=m.properties.dtype)
-        for k, m in _slice_metadata(where).items()
+        for k, m in _slice_metadata(folder, name).items()
         if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
     }
     if not state:
         return None
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=where, no_dist=True)
+        dcp.load(state, storage_reader=folder.dcp_reader(name), no_dist=True)
     return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
 class Found(NamedTuple):
     """A checkpoint chosen for resuming, already loaded."""
 
-    path: Path
+    path: Location
     payload: dict[str, Any]
 
 
 class Saved(NamedTuple):
     """What one ``Checkpointer.save`` wrote (on rank 0; the same answer on every rank)."""
 
-    last: Path | None
-    copies: dict[str, Path]  # by kind (the file name's stem): the copies this save wrote
-    slices: Path | None = None  # the DCP directory every one of them names (sliced parts)
+    last: str | None
+    copies: dict[str, str]  # by kind (the file name's stem): the copies this save wrote
+    slices: str | None = None  # the DCP directory every one of them names (sliced parts)
 
 
-def _epoch_number(path: Path) -> int:
-    m = re.fullmatch(r"epoch_(\d+)\.pt", path.name)
+def _epoch_number(name: str) -> int:
+    m = re.fullmatch(r"epoch_(\d+)\.pt", name)
     return int(m.group(1)) if m else -1
+
+
+def folder_of(cfg: CheckpointConfig, run_dir: Path) -> str:
+    """Where a run's checkpoints go and ``resume=auto`` looks: ``checkpoint.folder``, else
+    ``<run dir>/checkpoints``."""
+    return cfg.folder or str(run_dir / "checkpoints")
 
 
 @dataclass(kw_only=True)
@@ -329,7 +332,7 @@ class Checkpointer:
     """Built once with the parts it saves; rank 0 writes and every rank contributes its own
     parts (``save`` is a collective: call it on all ranks)."""
 
-    directory: Path
+    directory: Location  # checkpoint.folder: a local folder or an object store's prefix
     cfg: CheckpointConfig
     parts: dict[str, Stateful]  # the same on every rank: rank 0's are saved
     rank_parts: dict[str, Stateful] = field(default_factory=dict)  # each rank's, gathered
@@ -346,8 +349,10 @@ class Checkpointer:
     _later: list[torch.Tensor] = field(default_factory=list)  # the steppers' tensors' copies
     _stream: Any = None  # CUDA: the stream the steppers' tensors are copied on
     _hooks: list[Any] = field(default_factory=list)  # the steppers' step pre-hooks
+    _folder: Storage = field(init=False)
 
     def __post_init__(self) -> None:
+        self._folder = storage.at(self.directory)
         if self.cfg.enabled and self.cfg.async_save:  # a stepper's step waits for the copy
             self._hooks = [o.register_step_pre_hook(_before_step) for o in self._steppers()]
 
@@ -400,45 +405,48 @@ class Checkpointer:
         _load_slices(self.sliced, found)
 
     @property
-    def last(self) -> Path | None:
-        """The newest checkpoint's path (None with checkpoint.enabled=false)."""
-        return self.directory / "last.pt" if self.cfg.enabled else None
+    def last(self) -> str | None:
+        """The newest checkpoint's location (None with checkpoint.enabled=false)."""
+        return self._folder.where(LAST) if self.cfg.enabled else None
+
+    def _saved(self, copies: tuple[str, ...], slices: str | None) -> Saved:
+        where = self._folder.where
+        return Saved(
+            where(LAST),
+            {Path(name).stem: where(name) for name in copies},
+            None if slices is None else where(slices),
+        )
 
     def save(self, *, epochs_done: int | None = None, copies: tuple[str, ...] = ()) -> Saved:
         """last.pt (at an epoch end also epoch_<epochs_done>.pt), plus a copy under each name
         in ``copies`` (a selected epoch's), each written atomically."""
-        path = self.last
-        if path is None:
+        if not self.cfg.enabled:
             return Saved(None, {})
-        written = {Path(name).stem: self.directory / name for name in copies}
         if self.cfg.async_save:
-            return self._save_async(path, written, epochs_done)
+            return self._save_async(copies, epochs_done)
         payload = self.payload()
-        slices = None
         if self.sliced:
             payload["slices"] = self._save_slices()
-            slices = slices_of(path, payload)
         if self.info.is_main:
-            self._publish(payload, path, written, epochs_done)
+            self._publish(payload, copies, epochs_done)
         if self.info.distributed:
             dist.barrier()  # nobody runs ahead (or exits) before the file is in place
-        return Saved(path, written, slices)
+        return self._saved(copies, slices_of(payload) if self.sliced else None)
 
     def _publish(
-        self, payload: dict[str, Any], path: Path, written: dict[str, Path], epochs_done: int | None
+        self, payload: dict[str, Any], copies: tuple[str, ...], epochs_done: int | None
     ) -> None:
         """Rank 0: every file of one checkpoint written atomically, then the old ones pruned."""
         kept = epochs_done is not None and self.cfg.keep > 0
-        files = [path, *written.values()]
-        files += [self.directory / f"epoch_{epochs_done}.pt"] if kept else []
-        for k, file in enumerate(files):
-            save_atomic(payload, file, self.before_publish if k == 0 else None)
+        files = [LAST, *copies, *([f"epoch_{epochs_done}.pt"] if kept else [])]
+        for k, name in enumerate(files):
+            save_atomic(payload, self._folder.where(name), self.before_publish if k == 0 else None)
         if kept:
             self._prune()
         if self.sliced:
             self._prune_slices(payload["slices"], files)
 
-    def _save_async(self, path: Path, written: dict[str, Path], epochs_done: int | None) -> Saved:
+    def _save_async(self, copies: tuple[str, ...], epochs_done: int | None) -> Saved:
         """checkpoint.async_save: the state of this step copied to CPU memory, all but the
         steppers' tensors now (a collective, as the synchronous save), those by each rank's
         writer thread before the next step of a stepper, which then writes (DCP, each rank's
@@ -454,7 +462,7 @@ class Checkpointer:
         if self.sliced:
             name = broadcast_object(uuid.uuid4().hex[:12] if self.info.is_main else None, self.info)
             payload["slices"] = name
-            slices = slices_of(path, payload)
+            slices = slices_of(payload)
             if self._group is None and self.info.distributed:  # a collective: every rank, once
                 self._group = dist.new_group(backend="gloo")  # not the training's group
             state = {n: part.state_dict() for n, part in self.sliced.items()}
@@ -462,38 +470,33 @@ class Checkpointer:
         if self.info.is_main:
             staged["file"] = self._stager.stage(_defer(payload, deferred, later, seen))
         if staged:
-            write = self._write_async(staged, slices, path, written, epochs_done)
+            write = self._write_async(staged, slices, copies, epochs_done)
             _IN_FLIGHT.append(_InFlight(write, self._copy_later(later, list(staged.values()))))
         else:
             _IN_FLIGHT.append(_InFlight(None))
-        return Saved(path, written, slices)
+        return self._saved(copies, slices)
 
     def _write_async(
         self,
         staged: dict[str, Any],
-        slices: Path | None,
-        path: Path,
-        written: dict[str, Path],
+        slices: str | None,
+        copies: tuple[str, ...],
         epochs_done: int | None,
     ) -> Callable[[], None]:
-        """The writer thread's second task: this rank's slices into ``<slices>.tmp`` (DCP, a
-        collective of the writer threads on their own gloo group), renamed by rank 0 once every
-        rank's and the metadata are in place; then rank 0's files."""
+        """The writer thread's second task: this rank's slices (DCP, a collective of the writer
+        threads on their own gloo group; it returns once every rank's and the metadata are in
+        place); then rank 0's files, which name them."""
 
         def write() -> None:
             if slices is not None:
-                tmp = slices.with_name(slices.name + ".tmp")
                 dcp.save(
                     staged["slices"],
-                    checkpoint_id=tmp,
+                    storage_writer=self._folder.dcp_writer(slices),
                     process_group=self._group,
                     no_dist=not self.info.distributed,
-                )  # returns once the metadata, written last, is in place
-                if self.info.is_main:
-                    os.replace(tmp, slices)
-                    _fsync_dir(slices.parent)
+                )
             if "file" in staged:
-                self._publish(staged["file"], path, written, epochs_done)
+                self._publish(staged["file"], copies, epochs_done)
 
         return write
 
@@ -563,58 +566,70 @@ class Checkpointer:
     def _save_slices(self) -> str:
         """Every rank's slices into a new DCP directory (a collective); its name."""
         name = broadcast_object(uuid.uuid4().hex[:12] if self.info.is_main else None, self.info)
-        final = self.directory / SLICES / name
-        tmp = final.with_name(name + ".tmp")
-        dcp.save({n: part.state_dict() for n, part in self.sliced.items()}, checkpoint_id=tmp)
+        state = {n: part.state_dict() for n, part in self.sliced.items()}
         # dcp.save returns on every rank once the metadata, written last, is in place.
-        if self.info.is_main:
-            os.replace(tmp, final)
+        dcp.save(state, storage_writer=self._folder.dcp_writer(f"{SLICES}/{name}"))
         return name
 
-    def _prune_slices(self, name: str, files: list[Path]) -> None:
+    def _prune_slices(self, name: str, files: list[str]) -> None:
         """Delete the slice directories no checkpoint names (and any a crash left half-written):
         what the files name is read once a launch, then kept as this launch writes them."""
+        folder = self._folder
         if self._named is None:
-            self._named = {p.name: load(p).get("slices") for p in self.directory.glob("*.pt")}
-        self._named.update({p.name: name for p in files})
-        self._named = {f: n for f, n in self._named.items() if (self.directory / f).exists()}
+            self._named = {
+                f: load(folder.where(f)).get("slices") for f in folder.names() if f.endswith(".pt")
+            }
+        self._named.update({f: name for f in files})
+        present = set(folder.names())
+        self._named = {f: n for f, n in self._named.items() if f in present}
         kept = set(self._named.values())
-        for folder in (self.directory / SLICES).iterdir():
-            if folder.name not in kept:
-                shutil.rmtree(folder, ignore_errors=True)
+        for held in folder.names(SLICES):
+            if held not in kept:
+                folder.remove(f"{SLICES}/{held}")
 
     def due(self, step: int) -> bool:
         every = self.cfg.every_steps
         return self.cfg.enabled and every > 0 and step % every == 0
 
     def _prune(self) -> None:
-        epochs = sorted(self.directory.glob("epoch_*.pt"), key=_epoch_number)
+        names = self._folder.names()
+        epochs = sorted((f for f in names if _epoch_number(f) >= 0), key=_epoch_number)
         for old in epochs[: max(0, len(epochs) - self.cfg.keep)]:
-            old.unlink()
+            self._folder.remove(old)
 
 
-def candidates(directory: Path) -> list[Path]:
-    """Checkpoints in a run dir, newest first: last.pt, then epoch_<k>.pt by k descending."""
-    epochs = sorted(directory.glob("epoch_*.pt"), key=_epoch_number, reverse=True)
-    last = directory / "last.pt"
-    return ([last] if last.exists() else []) + epochs
+LAST = "last.pt"
 
 
-def find_resume(resume: str, directory: Path) -> Found | None:
+def candidates(directory: Location) -> list[str]:
+    """Checkpoints in a folder, newest first: last.pt, then epoch_<k>.pt by k descending."""
+    folder = storage.at(directory)
+    names = folder.names()
+    epochs = sorted((f for f in names if _epoch_number(f) >= 0), key=_epoch_number, reverse=True)
+    return [folder.where(f) for f in ([LAST] if LAST in names else []) + epochs]
+
+
+def checkpoint_file(location: Location, *, said: str, fix: str) -> str:
+    """``location`` as a checkpoint file that exists (a path or an object's URL), else one
+    sentence: ``said`` (``resume=``, ``checkpoint ``), the location, ``fix``."""
+    folder, name = storage.parent(location, key=said.rstrip("= "))
+    if not name or not folder.exists(name):
+        raise ConfigError(f"{said}{location} does not exist; {fix}.")
+    return folder.where(name)
+
+
+def find_resume(resume: str, directory: Location) -> Found | None:
     """The checkpoint to resume from, already loaded; damaged ones are reported and skipped.
 
-    ``never``: start fresh. ``auto``: the newest valid checkpoint in the run directory, or
-    none. Anything else is a path that must load. Nothing is ever deleted here.
+    ``never``: start fresh. ``auto``: the newest valid checkpoint in ``directory`` (the
+    run's checkpoint.folder), or none. Anything else is a file that must load. Nothing is ever
+    deleted here.
     """
     if resume == "never":
         return None
     if resume != "auto":
-        path = Path(resume).expanduser()
-        if not path.is_file():
-            raise ConfigError(
-                f"resume={resume} is not a file; give a checkpoint path, resume=auto or "
-                f"resume=never."
-            )
+        fix = "give a checkpoint path, resume=auto or resume=never"
+        path = checkpoint_file(os.path.expanduser(resume), said="resume=", fix=fix)
         return Found(path, load(path))
     for path in candidates(directory):
         try:
@@ -660,7 +675,7 @@ def restore(
 def _load_parts(
     parts: dict[str, Stateful],
     saved: dict[str, Any],
-    path: Path,
+    path: Location,
     *,
     world: int | None = None,
     per_rank: bool = False,
@@ -714,14 +729,15 @@ def _load_slices(parts: dict[str, Stateful], found: Found) -> None:
     if not parts:
         return
     path, payload = found
-    where = slices_of(path, payload)
-    saved = {key.split(".", 1)[0] for key in _slice_metadata(where)}
+    folder, where = storage.parent(path)[0], slices_of(payload)
+    saved = {key.split(".", 1)[0] for key in _slice_metadata(folder, where)}
     state = {name: part.state_dict() for name, part in parts.items() if name in saved}
-    dcp.load(state, checkpoint_id=where)  # a collective: every rank reads what its slices need
+    # A collective: every rank reads what its slices need.
+    dcp.load(state, storage_reader=folder.dcp_reader(where))
     _load_parts(parts, state, path)
 
 
-def resume_rank0(resume: str, directory: Path, info: DistInfo) -> Found | None:
+def resume_rank0(resume: str, directory: Location, info: DistInfo) -> Found | None:
     """Rank 0 picks the checkpoint and every rank loads that same file (no split decisions)."""
     found = find_resume(resume, directory) if info.is_main else None
     chosen = broadcast_object(str(found.path) if found else None, info)
@@ -729,4 +745,4 @@ def resume_rank0(resume: str, directory: Path, info: DistInfo) -> Found | None:
         return None
     if found is not None:
         return found
-    return Found(Path(chosen), load(Path(chosen)))
+    return Found(chosen, load(chosen))

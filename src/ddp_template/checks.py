@@ -15,7 +15,7 @@ from dataclasses import fields
 
 import torch
 
-from ddp_template import cluster
+from ddp_template import cluster, storage
 from ddp_template.amp import check_amp
 from ddp_template.config.schema import Config, DDPConfig
 from ddp_template.data.sampler_modes import SAMPLER_MODES
@@ -26,7 +26,7 @@ from ddp_template.distributed import (
     launched_by_torchrun,
     node_ranks,
 )
-from ddp_template.errors import require
+from ddp_template.errors import ConfigError, require
 from ddp_template.parallel import check_compile
 from ddp_template.task import build_task, check_monitor
 
@@ -43,6 +43,7 @@ def check(cfg: Config) -> None:
     _check_loop(cfg)
     _check_parallel(cfg)
     _check_tolerance(cfg)
+    _check_checkpoint(cfg)
     for f in fields(cfg):  # a group's own checks live beside its schema, as its check()
         own = getattr(getattr(cfg, f.name), "check", None)
         if callable(own):
@@ -238,6 +239,19 @@ def _check_sampler(cfg: Config) -> None:
         f"sampler.shuffle=true contradicts sampler={cfg.sampler.mode} ({mode.summary}); set "
         f"sampler.shuffle=false or pick sampler=padded.",
     )
+
+
+def _check_checkpoint(cfg: Config) -> None:
+    """checkpoint.folder in an object store: reachable with the credentials found, before a run
+    trains toward a first save that could not be written (one request)."""
+    folder = cfg.checkpoint.folder
+    if not folder or not storage.is_url(folder):
+        return
+    where = storage.at(folder, key="checkpoint.folder")
+    try:
+        where.names()
+    except ConfigError as exc:
+        raise ConfigError(f"checkpoint.folder={folder}: {exc}") from None
 
 
 def _check_finetune(cfg: Config) -> None:

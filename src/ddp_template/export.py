@@ -10,18 +10,17 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from ddp_template.checkpoint import load, save_atomic, whole
+from ddp_template.checkpoint import checkpoint_file, load, save_atomic, whole
 from ddp_template.errors import ConfigError, command
 
 FIX = "pass a checkpoint of a run, e.g. outputs/<run id>/checkpoints/last.pt"
 
 
-def export(ckpt: Path, out: Path, *, ema: bool = False) -> str:
-    """Write ``ckpt``'s model (or EMA) weights to ``out``; what was written, in one line."""
-    if not ckpt.is_file():
-        raise ConfigError(f"checkpoint {ckpt} does not exist; {FIX}.")
+def export(ckpt: str, out: str, *, ema: bool = False) -> str:
+    """Write ``ckpt``'s model (or EMA) weights to ``out`` (each a path or an object's URL);
+    what was written, in one line."""
+    ckpt = checkpoint_file(ckpt, said="checkpoint ", fix=FIX)
     payload = load(ckpt, fix=FIX)
     keys = ("ema", "model") if ema else ("model",)
     state = whole(ckpt, payload, *keys)
@@ -45,8 +44,8 @@ def export(ckpt: Path, out: Path, *, ema: bool = False) -> str:
 @command
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ddp_template.export", description=__doc__)
-    parser.add_argument("ckpt", type=Path, help="a checkpoint (.pt) of a run")
-    parser.add_argument("out", type=Path, help="the file to write (a state_dict)")
+    parser.add_argument("ckpt", help="a checkpoint (.pt) of a run: a path or s3://…")
+    parser.add_argument("out", help="the file to write (a state_dict): a path or s3://…")
     parser.add_argument("--ema", action="store_true", help="the EMA's weights")
     args = parser.parse_args(argv)
     print(export(args.ckpt, args.out, ema=args.ema))

@@ -3,11 +3,11 @@ weights (``finetune.init_from``)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
 import torch
 
-from ddp_template.checkpoint import load, whole
+from ddp_template.checkpoint import checkpoint_file, load, whole
 from ddp_template.config.loop import FinetuneConfig
 from ddp_template.errors import ConfigError
 from ddp_template.models import LoadReport, load_matching
@@ -22,12 +22,10 @@ def init_weights(cfg: FinetuneConfig, module: torch.nn.Module) -> LoadReport:
     laid out over the ranks. Every rank reads the same file; tensors whose shape differs (a head for
     another number of classes) keep the model's fresh, seeded initialisation.
     """
-    path = Path(str(cfg.init_from)).expanduser()
-    if not path.is_file():
-        raise ConfigError(
-            f"finetune.init_from={cfg.init_from} is not a file; give a checkpoint's path, e.g. "
-            f"outputs/<run id>/checkpoints/last.pt or best.pt."
-        )
+    fix = "give a checkpoint's path, e.g. outputs/<run id>/checkpoints/last.pt or best.pt"
+    path = checkpoint_file(
+        os.path.expanduser(str(cfg.init_from)), said="finetune.init_from=", fix=fix
+    )
     payload = load(path, fix="pass another checkpoint with finetune.init_from=<path>")
     state = whole(path, payload, *(("ema", "model") if cfg.ema else ("model",)))
     if state is None:

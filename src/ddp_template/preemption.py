@@ -12,7 +12,6 @@ import shlex
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -108,7 +107,7 @@ class Preemption:
         self.agreed = int(self._buf.item())
         return bool(self.agreed)
 
-    def stop(self, step: int, checkpoint: Path | None) -> NoReturn:
+    def stop(self, step: int, checkpoint: str | None) -> NoReturn:
         """Leave after the agreed step: one line on rank 0 saying how to continue."""
         interrupted = self.agreed == INTERRUPT
         if self.info.is_main:

@@ -27,6 +27,7 @@ from typing import Any, TypedDict
 from ddp_template.config.schema import Config
 from ddp_template.data.identity import DataIdentity
 from ddp_template.errors import ConfigError
+from ddp_template.storage import name_of
 
 CHANGES = ("sampler", "order", "data")  # what provenance.allow may let change
 _PLACE = ("path", "root")  # data keys saying where the data lives, not what it is
@@ -129,13 +130,13 @@ class Chain:
         link["hash"] = link_hash(link)
         return [*self.history, link]
 
-    def check(self, path: Path, payload: dict[str, Any], world_size: int) -> Link | None:
+    def check(self, path: str | Path, payload: dict[str, Any], world_size: int) -> Link | None:
         """Every field of the checkpoint's link against what it must equal; refuses (one
         sentence naming the field, both values and the fix) or continues the chain: its last
         link, None for a checkpoint written before the chain."""
         chain: list[Link] = payload.get("chain") or []
         if not chain:
-            self.breaks.append(f"{path.name} carries no chain (written before provenance)")
+            self.breaks.append(f"{name_of(path)} carries no chain (written before provenance)")
             return None
         last, k = chain[-1], len(chain) - 1
         prev = chain[-2] if k else None
@@ -178,7 +179,7 @@ class Chain:
         self.history = list(chain)
         return last
 
-    def _change(self, path: Path, name: str, was: Any, now: Any) -> str:
+    def _change(self, path: str | Path, name: str, was: Any, now: Any) -> str:
         """A change of the data or its order: refused unless ``provenance.allow`` names it,
         else the break's reason."""
         if name == "data":
@@ -219,7 +220,7 @@ class Chain:
         return line + "".join(f"; break: {b}" for b in self.breaks)
 
 
-def _intact(path: Path, chain: list[Link], i: int) -> None:
+def _intact(path: str | Path, chain: list[Link], i: int) -> None:
     """Link ``i`` (not the last) hashes to itself, sits at its place and is the one the next
     link names."""
     link, after = chain[i], chain[i + 1]
@@ -277,18 +278,15 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m ddp_template.provenance",
         description="Print the provenance chain of a run directory's last.pt (or of a file).",
     )
-    parser.add_argument("where", type=Path, help="a run directory or a checkpoint file")
+    parser.add_argument("where", help="a run directory, or a checkpoint file (a path or s3://…)")
     args = parser.parse_args(argv)
-    path = args.where / "checkpoints" / "last.pt" if args.where.is_dir() else args.where
-    from ddp_template.checkpoint import load
+    where = Path(args.where)
+    path = str(where / "checkpoints" / "last.pt") if where.is_dir() else args.where
+    from ddp_template.checkpoint import checkpoint_file, load
 
-    if not path.is_file():
-        print(
-            f"error: {path} does not exist; give a run directory or a checkpoint file.",
-            file=sys.stderr,
-        )
-        return 2
     try:
+        fix = "give a run directory or a checkpoint file"
+        path = checkpoint_file(path, said="", fix=fix)
         payload = load(path, fix="give a run directory or a checkpoint written by train.py")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

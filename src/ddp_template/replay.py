@@ -40,8 +40,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.utils.data import Dataset, default_collate
 
+from ddp_template.checkpoint import checkpoint_file, whole
 from ddp_template.checkpoint import load as load_checkpoint
-from ddp_template.checkpoint import whole
 from ddp_template.config import boundary
 from ddp_template.config.schema import Config
 from ddp_template.data.contract import MapData, Splits
@@ -315,13 +315,12 @@ def save_batch(run: Run, rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-def step_losses(run: Run, rows: list[dict[str, Any]], checkpoint: Path) -> str:
+def step_losses(run: Run, rows: list[dict[str, Any]], checkpoint: str) -> str:
     """Each rank's per-sample losses at the step (``row["losses"]``, aligned with its indices)
     as spike forensics computes them (``spike.sample_losses``): the checkpoint's weights, the
     rank's RNG state from it, the rank's micro-batches in train mode. Exact with a checkpoint of
     the step before (what the step ran with); returns what the checkpoint is, for the reader."""
-    if not checkpoint.is_file():
-        raise ConfigError(f"--losses {checkpoint} does not exist; pass a checkpoint of this run.")
+    checkpoint = checkpoint_file(checkpoint, said="--losses ", fix="pass a checkpoint of this run")
     payload = load_checkpoint(checkpoint, fix="pass a checkpoint of this run with --losses")
     cfg, first = run.cfg, rows[0]
     task = build_task(cfg.task)
@@ -435,7 +434,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--save", type=Path, help="with --step: write the batch tensors here")
     parser.add_argument(
         "--losses",
-        type=Path,
         metavar="CHECKPOINT",
         help="with --step: each sample's loss, with this checkpoint's weights (exact: step S-1's)",
     )

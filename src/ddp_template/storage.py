@@ -40,6 +40,9 @@ class Storage(Protocol):
 
     def read(self, name: str) -> bytes: ...
 
+    def open(self, name: str) -> IO[bytes]:
+        """``name`` as a seekable binary file, read as it is read (``torch.load``'s)."""
+
     def read_range(self, name: str, begin: int, end: int) -> bytes:
         """Bytes ``begin..end`` (end excluded) of ``name``, exactly."""
 
@@ -48,7 +51,8 @@ class Storage(Protocol):
     def tag(self, name: str) -> str:
         """A stamp of ``name``'s version: it changes whenever the object is written again."""
 
-    def exists(self, name: str) -> bool: ...
+    def exists(self, name: str) -> bool:
+        """Whether ``name`` is a file (an object), not a folder."""
 
     def names(self, folder: str = "") -> list[str]:
         """What ``folder`` holds, one level down (files and folders), sorted."""
@@ -133,6 +137,9 @@ class Folder:
     def read(self, name: str) -> bytes:
         return (self.path / name).read_bytes()
 
+    def open(self, name: str) -> IO[bytes]:
+        return open(self.path / name, "rb")  # noqa: SIM115 (the caller closes it)
+
     def read_range(self, name: str, begin: int, end: int) -> bytes:
         with self._lock:
             if self._pid != os.getpid():  # a forked copy: its own handles
@@ -153,7 +160,7 @@ class Folder:
         return f"{st.st_size}-{st.st_mtime_ns}"
 
     def exists(self, name: str) -> bool:
-        return (self.path / name).exists()
+        return (self.path / name).is_file()
 
     def names(self, folder: str = "") -> list[str]:
         where = self.path / folder

@@ -209,6 +209,10 @@ class DistConfig:
 
 @dataclass
 class CheckpointConfig:
+    # Where checkpoints are written and resume=auto looks: a local folder or s3://bucket/prefix
+    # (credentials: boto3's chain; AWS_ENDPOINT_URL for an S3-compatible store). Empty:
+    # <run dir>/checkpoints.
+    folder: str = ""
     every_steps: int = 0  # also save every N optimizer steps (0: at epoch ends only)
     keep: int = 0  # keep this many epoch_<k>.pt files besides last.pt (0: none)
     enabled: bool = True

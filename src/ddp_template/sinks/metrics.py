@@ -24,6 +24,7 @@ from ddp_template.run_identity import RunInfo
 from ddp_template.sinks.console import report_lines, split_sizes, write_summary
 from ddp_template.sinks.wandb_run import Runs, choose_runs, start_wandb, wandb_id
 from ddp_template.spike import SpikeReport
+from ddp_template.storage import is_url, name_of
 
 log = logging.getLogger("ddp_template")
 
@@ -317,20 +318,21 @@ class RankLogger:
 
     def log_checkpoint(
         self,
-        path: Path | None,
+        path: str | None,
         *,
         kind: str,
         step: int,
         epoch: int,
         metrics: dict[str, Any],
         rewritten: bool = True,
-        slices: Path | None = None,
+        slices: str | None = None,
     ) -> None:
         """Rank 0: checkpoint ``path`` as a new version of the run's ``model`` artifact, when
         ``logger.log_checkpoints`` is ``kind`` (last, best) and the file was ``rewritten`` at
         this epoch's end. Aliases ``kind`` and ``epoch-<e>``; metadata step, epoch, metrics.
         A sliced checkpoint's DCP directory (``slices``) goes with it, where the file finds it.
-        Offline, W&B keeps a copy of the file until ``wandb sync`` uploads it."""
+        Offline, W&B keeps a copy of the file until ``wandb sync`` uploads it; a checkpoint in
+        an object store (``s3://``) is logged as a reference to it, never copied."""
         if kind != self.cfg.log_checkpoints or not rewritten or path is None:
             return
         if not (self.info.is_main and self._history and self.wandb is not None):
@@ -343,9 +345,16 @@ class RankLogger:
                 type="model",
                 metadata={"kind": kind, "step": step, "epoch": epoch, **metrics},
             )
-            artifact.add_file(str(path), name=path.name)
-            if slices is not None:
-                artifact.add_dir(str(slices), name=f"{slices.parent.name}/{slices.name}")
+            named = {name_of(path): path} | (
+                {f"slices/{name_of(slices)}": slices} if slices else {}
+            )
+            for name, where in named.items():
+                if is_url(where):
+                    artifact.add_reference(where, name=name, checksum=False)
+                elif Path(where).is_dir():
+                    artifact.add_dir(where, name=name)
+                else:
+                    artifact.add_file(where, name=name)
             self.wandb.log_artifact(artifact, aliases=[kind, f"epoch-{epoch}"])
         except Exception as exc:  # W&B must never stop training
             log.warning("W&B could not log checkpoint %s (%s)", path, exc)

@@ -23,8 +23,8 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from ddp_template.checkpoint import checkpoint_file, whole
 from ddp_template.checkpoint import load as load_checkpoint
-from ddp_template.checkpoint import whole
 from ddp_template.data.contract import DataInfo, DataRecord
 from ddp_template.errors import ConfigError, command
 from ddp_template.models import build_model
@@ -61,11 +61,10 @@ def generate(
     return ids
 
 
-def load_model(ckpt: Path) -> tuple[nn.Module, DataInfo]:
+def load_model(ckpt: str | Path) -> tuple[nn.Module, DataInfo]:
     """The model of ``ckpt``'s run with its weights (eval mode) and what its data told it:
     the run's config and ``DataInfo`` are the ones the checkpoint holds."""
-    if not ckpt.is_file():
-        raise ConfigError(f"checkpoint {ckpt} does not exist; {FIX}.")
+    ckpt = checkpoint_file(ckpt, said="checkpoint ", fix=FIX)
     payload = load_checkpoint(ckpt, fix=FIX)
     if ("model" not in payload and "slices" not in payload) or not payload.get("config"):
         raise ConfigError(f"checkpoint {ckpt} holds no model weights or no config; {FIX}.")
@@ -170,7 +169,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m ddp_template.optional.gpt.sample",
         description="Continue a prompt with a language model a run trained on token files.",
     )
-    parser.add_argument("ckpt", type=Path, help="<run_dir>/checkpoints/last.pt or best.pt")
+    parser.add_argument("ckpt", help="<run_dir>/checkpoints/last.pt or best.pt (or s3://…)")
     given = parser.add_mutually_exclusive_group()
     given.add_argument("--prompt", help='text (byte-level token files only); default "\\n"')
     given.add_argument("--prompt-ids", help="token ids separated by commas: 464,2068")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import io
+import logging
 import os
 import random
 import tempfile
@@ -42,6 +43,7 @@ BACKOFF_S = 0.05  # the first retry's longest wait; doubled per retry (full jitt
 BACKOFF_CAP_S = 2.0
 PART_BYTES = 64 << 20  # a published object above this goes up in parts (multipart upload)
 SPOOL_BYTES = 64 << 20  # an object being written stays in memory up to this, then a temp file
+READ_BYTES = 8 << 20  # an object opened as a file is read in ranges of this many bytes
 
 THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"}
 TRANSIENT = THROTTLED | {"InternalError", "ServiceUnavailable", "RequestTimeout", "503", "500"}
@@ -85,6 +87,7 @@ def client() -> Any:
             from botocore.config import Config
 
             _clients.clear()  # a forked copy's parent's client is not this process's
+            logging.getLogger("botocore").setLevel(logging.WARNING)  # "Found credentials in…"
             _clients[pid] = boto3.session.Session().client(
                 "s3",
                 config=Config(
@@ -245,6 +248,13 @@ class Bucket:
         COUNTS.add(bytes_read=len(data), reads=1)
         return data
 
+    def open(self, name: str) -> IO[bytes]:
+        """A small object in one read; a larger one read by ranges as it is read."""
+        whole = RangeFile(self, name)
+        if whole.length <= READ_BYTES:
+            return io.BytesIO(self.read(name))
+        return io.BufferedReader(whole, buffer_size=READ_BYTES)
+
     def size(self, name: str) -> int:
         head = self._guarded(
             "asking the size of",
@@ -273,7 +283,10 @@ class Bucket:
 
         return self._guarded("looking for", name, head) is not None
 
-    def _listed(self, prefix: str, delimiter: str | None) -> Iterator[dict[str, Any]]:
+    def _listed(self, name: str, delimiter: str | None) -> Iterator[dict[str, Any]]:
+        """The listing's pages of everything under the folder ``name`` (by key prefix)."""
+        key = self.key(name)
+        prefix = f"{key}/" if key else ""
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
@@ -282,7 +295,7 @@ class Bucket:
             if token:
                 kwargs["ContinuationToken"] = token
             page: dict[str, Any] = self._guarded(
-                "listing", prefix, functools.partial(client().list_objects_v2, **kwargs)
+                "listing", name, functools.partial(client().list_objects_v2, **kwargs)
             )
             yield page
             if not page.get("IsTruncated"):
@@ -293,7 +306,7 @@ class Bucket:
         prefix = self.key(folder)
         prefix = f"{prefix}/" if prefix else ""
         found: set[str] = set()
-        for page in self._listed(prefix, "/"):
+        for page in self._listed(folder, "/"):
             folders = page.get("CommonPrefixes", [])
             found |= {c["Prefix"][len(prefix) :].rstrip("/") for c in folders}
             found |= {o["Key"][len(prefix) :] for o in page.get("Contents", [])}
@@ -333,7 +346,7 @@ class Bucket:
     def remove(self, name: str) -> None:
         key = self.key(name)
         keys = [key] + [
-            o["Key"] for page in self._listed(f"{key}/", None) for o in page.get("Contents", [])
+            o["Key"] for page in self._listed(name, None) for o in page.get("Contents", [])
         ]
         for k in range(0, len(keys), 1000):
             batch = {"Objects": [{"Key": x} for x in keys[k : k + 1000]], "Quiet": True}
@@ -377,8 +390,8 @@ class Files(FileSystemBase):
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase]:
         name = str(path)
         if "r" in mode:
-            with io.BufferedReader(RangeFile(self.bucket, name), buffer_size=8 << 20) as f:
-                yield f
+            with self.bucket.open(name) as f:
+                yield f  # type: ignore[misc]
             return
         with Upload(self.bucket, name) as upload:
             yield upload

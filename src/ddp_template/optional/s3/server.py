@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -170,6 +171,7 @@ class LocalS3:
     def start(self) -> LocalS3:
         from moto.server import ThreadedMotoServer
 
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request
         self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._moto.start()
         host, port = self._moto.get_host_and_port()
