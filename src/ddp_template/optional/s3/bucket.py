@@ -54,6 +54,7 @@ REFUSED = {
     "ExpiredToken",
     "InvalidToken",
     "AllAccessDisabled",
+    "403",  # a HEAD's refusal: no body, so no code but its status
 }
 MISSING = {"NoSuchKey", "404", "NotFound"}
 
@@ -127,6 +128,15 @@ def _code(exc: BaseException) -> str | None:
     return code or str(status)
 
 
+def _unwrapped(exc: Exception) -> Exception:
+    """boto3's upload wraps the store's ``ClientError`` in ``S3UploadFailedError`` (its message
+    only): the error it was raised from, to classify."""
+    cause = exc.__context__
+    if type(exc).__name__ == "S3UploadFailedError" and isinstance(cause, Exception):
+        return cause
+    return exc
+
+
 def _transient(exc: BaseException) -> bool:
     from botocore import exceptions as bx
     from urllib3 import exceptions as ux
@@ -169,7 +179,8 @@ class Bucket:
         for attempt in range(ATTEMPTS):
             try:
                 return request()
-            except Exception as exc:
+            except Exception as raised:
+                exc = _unwrapped(raised)
                 code = _code(exc)
                 if code is not None and not _transient(exc):
                     raise self._refusal(code, name) from None
@@ -327,6 +338,11 @@ class Bucket:
         transfer = TransferConfig(multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES)
 
         def upload() -> None:
+            data.seek(0)
+            if data.seek(0, io.SEEK_END) <= PART_BYTES:  # one PUT: the store's own errors
+                data.seek(0)
+                client().put_object(Bucket=self.bucket, Key=self.key(name), Body=data.read())
+                return
             data.seek(0)
             client().upload_fileobj(data, self.bucket, self.key(name), Config=transfer)
 
