@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from shards import BATCH, EPOCHS, RANKS, WORKERS, measure, write_shards  # noqa: E402
+from shards import BATCH, EPOCHS, RANKS, WORKERS, measure, ratio_table, write_shards  # noqa: E402
 
 VARIANTS = ("local", "s3", "local (A/A)")
 URL = "s3://bench/shards"
@@ -78,16 +78,8 @@ def main() -> None:
         f"{RANKS} ranks x {WORKERS} workers, batch {BATCH}, {samples} PNG 3x32x32 in "
         f"{samples // 256} shards, {args.rounds} paired rounds (load {os.getloadavg()[0]:.2f})",
         "",
-        "| variant | images/s (median) | min-max | vs local (median of paired ratios) |",
-        "|---|---|---|---|",
+        *ratio_table(rates, "local", "images/s"),
     ]
-    for v in VARIANTS:
-        ratios = [a / b for a, b in zip(rates[v], base, strict=True)]
-        lines.append(
-            f"| {v} | {statistics.median(rates[v]):.0f} | {min(rates[v]):.0f}-"
-            f"{max(rates[v]):.0f} | {statistics.median(ratios):.3f}x "
-            f"({min(ratios):.3f}-{max(ratios):.3f}) |"
-        )
     aa = [a / b for a, b in zip(rates["local (A/A)"], base, strict=True)]
     lines += [
         f"\nA/A (local / local again): median {statistics.median(aa):.3f}x",

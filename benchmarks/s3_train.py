@@ -31,6 +31,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from shards import ratio_table  # noqa: E402
+
 VARIANTS = ("local", "s3", "local (A/A)")
 URL = "s3://bench/digits"
 
@@ -102,16 +106,8 @@ def table(rates: dict[str, list[float]], args: argparse.Namespace) -> str:
         f"{args.epochs} epochs (samples/s of epochs 1..), {args.rounds} paired rounds "
         f"(load {load:.2f})",
         "",
-        "| variant | samples/s (median) | min-max | vs local (median of paired ratios) |",
-        "|---|---|---|---|",
+        *ratio_table(rates, "local", "samples/s"),
     ]
-    for v in VARIANTS:
-        ratios = [a / b for a, b in zip(rates[v], rates["local"], strict=True)]
-        lines.append(
-            f"| {v} | {statistics.median(rates[v]):.0f} | {min(rates[v]):.0f}-"
-            f"{max(rates[v]):.0f} | {statistics.median(ratios):.3f}x "
-            f"({min(ratios):.3f}-{max(ratios):.3f}) |"
-        )
     return "\n".join(lines) + "\n"
 
 

@@ -154,6 +154,22 @@ def measure(variant: str, pattern: str, samples: int) -> float:
     return EPOCHS * samples / max(seconds)
 
 
+def ratio_table(rates: dict[str, list[float]], base: str, unit: str) -> list[str]:
+    """The paired rounds' table: each variant's median ``unit`` and min-max, and the median
+    (min-max) of its ratios to ``base`` taken within each round."""
+    lines = [
+        f"| variant | {unit} (median) | min-max | vs {base} (median of paired ratios) |",
+        "|---|---|---|---|",
+    ]
+    for v, got in rates.items():
+        ratios = [a / b for a, b in zip(got, rates[base], strict=True)]
+        lines.append(
+            f"| {v} | {statistics.median(got):.0f} | {min(got):.0f}-{max(got):.0f} | "
+            f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) |"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -168,21 +184,12 @@ def main() -> None:
             for variant in order:
                 rates[variant].append(measure(variant, pattern, samples))
             print(f"round {r + 1}: " + ", ".join(f"{v} {rates[v][-1]:.0f}" for v in VARIANTS))
-    base = rates["webdataset"]
     lines = [
         f"{RANKS} ranks x {WORKERS} workers, batch {BATCH}, {samples} PNG 3x32x32 in "
         f"{samples // 256} shards, {args.rounds} paired rounds (load {os.getloadavg()[0]:.2f})",
         "",
-        "| variant | images/s (median) | min-max | vs webdataset (median of paired ratios) |",
-        "|---|---|---|---|",
+        *ratio_table(rates, "webdataset", "images/s"),
     ]
-    for v in VARIANTS:
-        ratios = [a / b for a, b in zip(rates[v], base, strict=True)]
-        lines.append(
-            f"| {v} | {statistics.median(rates[v]):.0f} | {min(rates[v]):.0f}-"
-            f"{max(rates[v]):.0f} | {statistics.median(ratios):.3f}x "
-            f"({min(ratios):.3f}-{max(ratios):.3f}) |"
-        )
     aa = [a / b for a, b in zip(rates["template (A/A)"], rates["template"], strict=True)]
     lines.append(f"\nA/A (template / template again): median {statistics.median(aa):.3f}x")
     text = "\n".join(lines)
