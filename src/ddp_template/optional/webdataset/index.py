@@ -172,7 +172,7 @@ def shard_entries(shard: Shard, key: str) -> list[list]:
     def fill(f: IO[bytes]) -> None:
         f.write(body)
 
-    with contextlib.suppress(Exception):  # refused (read-only) or failed: only not cached
+    with contextlib.suppress(ConfigError, OSError):  # refused (read-only), failed: not cached
         where.publish(cache, fill)
     return entries
 
