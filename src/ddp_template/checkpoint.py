@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
-from ddp_template import storage
+from ddp_template import fencing, storage
 from ddp_template.config.schema import CheckpointConfig
 from ddp_template.distributed import DistInfo, broadcast_object, gather_objects
 from ddp_template.errors import ConfigError
@@ -82,7 +82,11 @@ Location = str | Path  # a checkpoint file: a local path or an object's URL (s3:
 def save_atomic(payload: dict[str, Any], path: Location, written: Hook | None = None) -> None:
     """``payload`` published at ``path`` (a file or an object), atomically; ``written(payload)``
     runs once its bytes are written, before they are published (a test's fault:
-    ``fault.phase=write``)."""
+    ``fault.phase=write``). Under a live membership it carries the writer's fencing token."""
+
+    held = fencing.token(f"the checkpoint {path}")  # fault_tolerance=live: still a member
+    if held is not None:
+        payload = {**payload, "fence": held._asdict()}
 
     def fill(f: IO[bytes]) -> None:
         torch.save(payload, f)

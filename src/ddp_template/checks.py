@@ -126,11 +126,30 @@ def _check_sizes(cfg: Config) -> None:
 
 
 def _check_tolerance(cfg: Config) -> None:
-    """What ``fault_tolerance=live`` needs: the template's launcher (its process hosts the
-    ranks' store and outlives them), gloo (the one backend torch can reconfigure), DDP."""
-    if cfg.fault_tolerance.mode != "live":
+    """What ``fault_tolerance=live`` needs: the template's launcher (node 0's hosts the ranks'
+    store and outlives them; across hosts, one per host), gloo (the one backend torch can
+    reconfigure), DDP. ``dist.nnodes`` is the live mode's alone."""
+    nodes, node = cfg.dist.nnodes, cfg.dist.node_rank
+    require(
+        nodes >= 1 and 0 <= node < nodes,
+        f"dist.node_rank={node} must be in 0..{nodes - 1} (dist.nnodes={nodes}).",
+    )
+    live = cfg.fault_tolerance.mode == "live"
+    require(
+        nodes == 1 or live,
+        f"dist.nnodes={nodes} starts the template's launcher once per host, which only "
+        f"fault_tolerance=live does; start other multi-node runs under torchrun or srun "
+        f'(README "Multi-node"), or set fault_tolerance=live.',
+    )
+    if not live:
         return
-    where = f"dist.nproc={cfg.dist.nproc}"
+    require(
+        nodes == 1 or bool(cfg.fault_tolerance.coordinator),
+        f"fault_tolerance=live across dist.nnodes={nodes} hosts needs "
+        f"fault_tolerance.coordinator=<host>:<port>, where node 0's launcher runs the membership "
+        f"coordinator; e.g. fault_tolerance.coordinator=node0:29400.",
+    )
+    where = f"dist.nproc={cfg.dist.nproc}" + (f" x dist.nnodes={nodes}" if nodes > 1 else "")
     require(
         not launched_by_torchrun(),
         "fault_tolerance=live needs the template's launcher (python train.py dist.nproc=N): "
@@ -139,12 +158,12 @@ def _check_tolerance(cfg: Config) -> None:
         "fault_tolerance=off (their restarts resume from the last checkpoint).",
     )
     require(
-        cfg.dist.nproc >= 2,
+        cfg.dist.nproc * nodes >= 2,
         f"fault_tolerance=live with {where} has no peer to survive a death; set dist.nproc=2 "
         f"or more, or fault_tolerance=off.",
     )
     require(
-        cfg.fault_tolerance.min_members <= cfg.dist.nproc,
+        cfg.fault_tolerance.min_members <= cfg.dist.nproc * nodes,
         f"fault_tolerance.min_members={cfg.fault_tolerance.min_members} exceeds {where}; lower it.",
     )
     require(

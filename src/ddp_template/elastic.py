@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddp_template import fencing
 from ddp_template.checkpoint import Found
 from ddp_template.config.choices import GlobalBatch, OnResize
 from ddp_template.config.schema import Config, ElasticConfig
@@ -165,6 +166,7 @@ def record_stretch(run_dir: Path, *, cfg: Config, state: Any, world_size: int) -
     }
     same = bool(kept) and all(kept[-1][k] == stretch[k] for k in _SHAPE)
     rows = kept + ([] if same else [stretch])
+    fencing.token("the stretches")
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(rows, indent=1) + "\n")
     os.replace(tmp, path)

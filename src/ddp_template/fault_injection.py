@@ -7,8 +7,10 @@ does (the launcher, every rank on this node and their loader workers), or with
 ``fault.scope=node`` to the launcher that started it as well (torchrun's agent: a lost node).
 ``fault.hold=true`` makes the rank stop after step K until a signal comes instead, as a rank
 still busy when torchrun's membership changes (its agent's SIGTERM then stops the run there,
-checkpointed, like any preemption). ``fault.attempt`` limits it to one elastic restart attempt,
-so the restarted group can finish (under ``fault_tolerance=live``: to one membership).
+checkpointed, like any preemption); ``fault.spin=true`` makes it spin in a Python loop for
+good, its threads alive (a rank stuck outside any collective). ``fault.attempt`` limits it to
+one elastic restart attempt, so the restarted group can finish (under
+``fault_tolerance=live``: to one membership).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def maybe_fire(fault: FaultConfig, step: int, rank: int, phase: str = "step") ->
 
 
 def _strike(fault: FaultConfig, step: int, rank: int) -> None:
+    if fault.spin:
+        while True:  # stuck: its threads (a live heartbeat) go on
+            sum(range(1000))
     if fault.hold:
         signal.pause()  # returns once a handler has run (preemption's: the stop is agreed next)
         return

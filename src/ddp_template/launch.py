@@ -61,7 +61,7 @@ def launch(fn: Any, cfg: Config, run: RunInfo) -> Any:
     collide. A failing worker stops all of them, like torchrun; with ``dist.max_restarts`` the
     whole group restarts and resumes from the last checkpoint.
     """
-    if launched_by_torchrun() or cfg.dist.nproc == 1:
+    if launched_by_torchrun() or (cfg.dist.nproc == 1 and cfg.dist.nnodes == 1):
         return fn(cfg, run)
     if cfg.fault_tolerance.mode == "live":
         why = reconfigurable()

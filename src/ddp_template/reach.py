@@ -33,6 +33,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import psutil
 import torch.distributed as dist
@@ -41,6 +42,7 @@ from ddp_template.config.schema import BackendConfig
 from ddp_template.distributed import DistInfo, store_client
 from ddp_template.errors import EXIT_FENCED, EXIT_HOST_LOST
 from ddp_template.process import exit_records
+from ddp_template.tolerance import live_launch
 
 log = logging.getLogger("ddp_template")
 
@@ -113,18 +115,12 @@ class Watch:
     def _fence(self, now: float) -> None:
         """Cut off: stop without another write into the run (the other side owns it now)."""
         silent = now - self.landed
-        me = psutil.Process()
-        for child in me.children(recursive=True):  # loader workers, the W&B service
-            with contextlib.suppress(psutil.Error):
-                child.send_signal(signal.SIGKILL)
-        sys.stderr.write(
+        stop_fenced(
             f"rank {self.info.rank} on {self.info.host} is cut off: none of its heartbeats "
             f"reached the rendezvous store ({self.info.master}) for {silent:.0f} s "
             f"(backend.lost_after_s={self.cfg.lost_after_s}); it stops here and writes nothing "
-            f"more into the run, which the hosts that still reach the store own.\n"
+            f"more into the run, which the hosts that still reach the store own."
         )
-        sys.stderr.flush()
-        os._exit(EXIT_FENCED)
 
     def _end(self, lost: list[int]) -> None:
         """A host went silent: say which, record it for the launcher, end this rank."""
@@ -164,12 +160,25 @@ class Watch:
         return "; ".join(said)
 
 
+def stop_fenced(line: str) -> NoReturn:
+    """This process stops without another write into the run: what it started (loader
+    workers, the W&B service) killed, ``line`` on its stderr only, ``EXIT_FENCED``."""
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.send_signal(signal.SIGKILL)
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    os._exit(EXIT_FENCED)
+
+
 class HostLost(RuntimeError):
     """A host of the run stopped beating (``Watch``)."""
 
 
 def watch(run_dir: Path, info: DistInfo, cfg: BackendConfig) -> Watch | None:
-    """A :class:`Watch` for a rank of a multi-node run with heartbeats on, else None."""
-    if not info.distributed or info.local_world_size >= info.world_size or cfg.lost_after_s <= 0:
+    """A :class:`Watch` for a rank of a multi-node run with heartbeats on, else None (also
+    under ``fault_tolerance=live``, whose coordinator judges the heartbeats)."""
+    one_host = info.local_world_size >= info.world_size
+    if live_launch() or not info.distributed or one_host or cfg.lost_after_s <= 0:
         return None
     return Watch(run_dir, info, cfg)

@@ -203,6 +203,10 @@ class LoggerConfig:
 @dataclass
 class DistConfig:
     nproc: int = 1  # ranks started in-process when no outer launcher (torchrun, SLURM) is used
+    # Hosts of a run the template's launcher starts, one launcher per host, this one's index
+    # (fault_tolerance=live across hosts; any other multi-node run starts under torchrun/srun).
+    nnodes: int = 1
+    node_rank: int = 0
     max_restarts: int = 0  # elastic restarts of all workers after a failure (like torchrun's)
     start_method: StartMethod = StartMethod.forkserver
 
@@ -256,6 +260,7 @@ class FaultConfig:
     signal: str | None = None  # e.g. SIGTERM: send it instead of raising
     scope: FaultScope = FaultScope.rank  # who gets the signal: rank | process_group | node
     hold: bool = False  # instead: stop after the step until a signal comes (a busy rank)
+    spin: bool = False  # instead: spin in a Python loop, its threads alive (a stuck rank)
     attempt: int = 0  # only on this restart attempt (live: this membership), so the run can finish
     phase: FaultPhase = FaultPhase.step  # allreduce: inside the step's gradient all-reduce
     again_at_step: int | None = None  # strike again there (whichever process is fault.rank)
@@ -263,18 +268,24 @@ class FaultConfig:
 
 @dataclass
 class FaultToleranceConfig:
-    """``fault_tolerance=live`` (experimental): a rank's death is survived in place. The
-    launcher hosts the ranks' store and watches their heartbeats; the survivors regroup, take
-    the state of the one furthest on and deal the rest of the epoch among themselves; a
-    replacement for the dead rank's slot joins at a step boundary."""
+    """``fault_tolerance=live`` (experimental): a rank's or a host's death is survived in
+    place. The membership coordinator (in node 0's launcher) hosts the ranks' store and judges
+    their heartbeats and step progress; the survivors regroup, take the state of the one
+    furthest on and deal the rest of the epoch among themselves; a replacement for a dead
+    rank's slot, or a host started again, joins at a step boundary."""
 
     mode: Tolerance = Tolerance.off
-    heartbeat_s: float = 0.5  # each rank's heartbeat into the launcher's store
-    dead_after_s: float = 5.0  # a rank silent this long is killed and counted lost (SIGSTOP)
+    heartbeat_s: float = 0.5  # each rank's heartbeat into the coordinator's store
+    # A rank silent this long (SIGSTOP, a cut link), or without step progress this long while
+    # the others are past it (stuck), is killed where it can be and counted lost.
+    dead_after_s: float = 5.0
     min_members: int = 1  # fewer ranks alive: the run ends (resume from its last checkpoint)
     replacements: int = 3  # processes the launcher starts in dead ranks' slots, in all
     admit_every: int = 4  # steps between the checks for a waiting replacement (an async collective)
     regroup_timeout_s: float = 120.0  # the longest a regroup waits for its members
+    # Across hosts (dist.nnodes > 1): host:port of the membership coordinator, which node 0's
+    # launcher runs (it binds the port); empty on one host (a free loopback port).
+    coordinator: str = ""
 
     def check(self) -> None:
         for key in ("heartbeat_s", "dead_after_s", "regroup_timeout_s"):
@@ -292,6 +303,12 @@ class FaultToleranceConfig:
         for key in ("min_members", "admit_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"fault_tolerance.{key}={getattr(self, key)} must be at least 1.")
+        host, _, port = self.coordinator.rpartition(":")
+        if self.coordinator and not (host and port.isdigit()):
+            raise ConfigError(
+                f"fault_tolerance.coordinator={self.coordinator} is not host:port; e.g. "
+                f"fault_tolerance.coordinator=node0:29400."
+            )
         if self.replacements < 0:
             raise ConfigError(
                 f"fault_tolerance.replacements={self.replacements} must be >= 0 (0: the "

@@ -30,6 +30,8 @@ from typing import Any
 
 import psutil
 
+from ddp_template import fencing
+
 log = logging.getLogger("ddp_template")
 
 # What a collective says when a peer's process is gone (gloo's TCP pairs, NCCL).
@@ -85,6 +87,7 @@ def _attempt() -> int:
 def _write(path: Path, record: dict[str, Any]) -> None:
     """Atomically (a peer may read it at any moment), and never raising: a record must not
     replace the exception or exit it describes."""
+    fencing.token(f"the record {path.name}")  # fault_tolerance=live: still a member
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.tmp")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ddp_template import fencing
 from ddp_template.distributed import DistInfo
 from ddp_template.errors import Unanimous
 from ddp_template.ledger.records import EpochReport
@@ -93,7 +94,7 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     """Rank 0's final metrics, written atomically so a reader never sees half a file."""
     path = run_dir / "summary.json"
     tmp = path.with_name("summary.json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.write_text(json.dumps(fencing.stamped(summary, "the summary"), indent=2) + "\n")
     tmp.replace(path)
     return path
 

@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ddp_template import fencing
 from ddp_template.config.schema import LoggerConfig, LoggerName, WandbRuns
 from ddp_template.distributed import DistInfo, barrier, gather_objects
 from ddp_template.ledger.records import EpochReport, PriorLine, RankLine, WorkerLine
@@ -108,7 +109,7 @@ class RankLogger:
         return self.wandb.id if self.wandb is not None else None
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        row = {"step": step, **metrics}
+        row = fencing.stamped({"step": step, **metrics}, "a metrics row")
         self.jsonl.write(json.dumps(row) + "\n")
         self._log_wandb(row)
 
@@ -146,7 +147,7 @@ class RankLogger:
         and the report's samples to this rank's W&B run (``spikes/samples``; with one W&B run,
         ``log_spikes`` gathers them there)."""
         with open(self.rank_dir / "spikes.jsonl", "a") as f:
-            f.write(json.dumps(report.own()) + "\n")
+            f.write(json.dumps(fencing.stamped(report.own(), "a spike row")) + "\n")
         if report.fired or self.info.is_main:  # agreed skips: rank 0 speaks for the others
             log.warning("%s", report.line(top))
         values = {f"spikes/{k}": v for k, (v, _) in report.measured.items() if k != "loss"}

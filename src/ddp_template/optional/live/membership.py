@@ -17,21 +17,25 @@ import gc
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from ddp_template import distributed
+from ddp_template import distributed, fencing, network
 from ddp_template.checkpoint import Found
 from ddp_template.config.schema import BackendConfig, FaultToleranceConfig
 from ddp_template.distributed import DistInfo
 from ddp_template.optional.live import keys
+from ddp_template.optional.live.connections import sever
+from ddp_template.optional.live.coordinator import silence_s
 from ddp_template.optional.live.handover import handover
+from ddp_template.reach import stop_fenced
 from ddp_template.tolerance import MEMBERSHIP_VAR, Begin, Held, M, Start
 
 log = logging.getLogger(__name__)
@@ -58,30 +62,109 @@ class Live:
         self.store = keys.connect(timedelta(seconds=cfg.regroup_timeout_s))
         self.gen, self.target = -1, 0
         self.seen = -1  # the newest membership the heartbeat thread saw published
+        self.dropped = ""  # why the newest membership it saw leaves this member out
+        self.landed: float | None = None  # when the last heartbeat that reached the store left
+        # A write must land while the coordinator cannot have dropped this member for silence.
+        self.lease_s = silence_s(cfg, broke=True) / 2
         self.regrouped = False  # the first step after a regroup: rank 0 records its commit
         self._agreeing: Any = None  # the admission check in flight (an async all-reduce)
         self._flag = torch.zeros(1, dtype=torch.int32)
         self.info: DistInfo | None = None
-        self._heartbeat = threading.Thread(target=self._beat, name="live-heartbeat", daemon=True)
-        self._heartbeat.start()
+        self.state: Any = None  # the membership's engine.TrainState: its step progress
+        self.keep_port = int(os.environ["MASTER_PORT"])
+        fencing.install(self.gate)
+        for target in (self._beat, self._watchdog):
+            threading.Thread(target=target, name=f"live-{target.__name__}", daemon=True).start()
+
+    def _progress(self) -> tuple[int, int, int]:
+        """(membership, optimizer step, micro-batches of the next step read)."""
+        state = self.state
+        if state is None:
+            return self.gen, -1, 0
+        return self.gen, int(state.step), len(state.held)
 
     def _beat(self) -> None:
         """Own store client: the main thread's may be blocked in a long wait on the store.
-        With each beat it looks for the next membership, so the step boundary never waits on
-        the store."""
-        store, n, beat_at = keys.connect(timedelta(seconds=self.cfg.regroup_timeout_s)), 0, 0.0
+        A beat goes out every ``heartbeat_s`` and whenever the progress moved; every look
+        reads the newest membership, so the step boundary never waits on the store."""
+        timeout = timedelta(seconds=self.cfg.heartbeat_s * 2)
+        store: dist.Store | None = None
+        n, beat_at, sent = 0, 0.0, (-2, -2, -2)
         while True:
-            if time.monotonic() - beat_at >= self.cfg.heartbeat_s:
-                n, beat_at = n + 1, time.monotonic()
-                store.set(keys.heartbeat(self.id), str(n))
-            nxt = self.gen + 1
-            if self.seen < nxt and store.check([keys.members(nxt)]):
-                self.seen = nxt
+            try:
+                store = store or keys.connect(timeout)
+                progress, now = self._progress(), time.monotonic()
+                if now - beat_at >= self.cfg.heartbeat_s or progress != sent:
+                    n, beat_at, sent = n + 1, now, progress
+                    store.set(keys.heartbeat(self.id), str(keys.Beat(n, *progress)))
+                    self.landed = now
+                if store.check([keys.LATEST]):
+                    self._look(store, keys.latest(store))
+            except (RuntimeError, dist.DistStoreError):  # unanswered: a new client next look
+                store = None
             time.sleep(LOOK_S)
+
+    def _look(self, store: dist.Store, latest: int) -> None:
+        """The newest membership: dropped from it, or a host in it to sever."""
+        if latest <= self.seen:
+            return
+        published = keys.read_members(store, latest)
+        if self.id in published.members:
+            mine = self.info.address if self.info is not None else None
+            sever(set(published.sever) - {mine}, self.keep_port)
+            self.dropped = ""
+        elif self.gen >= 0:
+            self.dropped = f"membership {latest} left it out ({published.reason})"
+        self.seen = latest
+
+    def _watchdog(self) -> None:
+        """Cut off for ``dead_after_s`` (the coordinator has dropped it), or dropped: this
+        process stops here without another write."""
+        while True:
+            time.sleep(LOOK_S)
+            landed = self.landed
+            silent = 0.0 if landed is None else time.monotonic() - landed
+            if silent > self.cfg.dead_after_s:
+                self._fence(
+                    f"none of its heartbeats reached the membership coordinator "
+                    f"({os.environ['MASTER_ADDR']}:{self.keep_port}) for {silent:.0f} s "
+                    f"(fault_tolerance.dead_after_s={self.cfg.dead_after_s})"
+                )
+            if self.dropped and self.seen > self.gen:
+                self._fence(self.dropped)
+
+    def _fence(self, why: str) -> NoReturn:
+        stop_fenced(
+            f"rank slot {self.slot} (member {self.id}) on {socket.gethostname()} is out of the "
+            f"run: {why}; it stops here and writes nothing more into the run, which the "
+            f"members that the coordinator still hears own."
+        )
+
+    def gate(self, what: str) -> fencing.Token:
+        """``fencing``'s gate: this member's token, while its membership is not over and its
+        lease stands (a heartbeat landed within ``lease_s``); else it stops without writing."""
+        landed = self.landed
+        if self.dropped and self.seen > self.gen:
+            self._fence(f"{self.dropped}, and {what} was refused")
+        if landed is None or time.monotonic() - landed > self.lease_s:
+            self._fence(
+                f"its lease on the run lapsed (no heartbeat reached the coordinator for "
+                f"{self.lease_s:.1f} s), and {what} was refused"
+            )
+        return fencing.Token(self.id, self.gen)
 
     def setup(self) -> Start:
         base = distributed.setup_local(self.backend)  # device, threads, launcher: no group yet
         world = int(os.environ["WORLD_SIZE"])
+        if base.local_world_size < world:  # across hosts: gloo on the interface that reaches them
+            interface = network.bind_gloo(
+                os.environ["MASTER_ADDR"],
+                self.slot,
+                world,
+                dist.PrefixStore("net", keys.connect(timedelta(seconds=60))),
+                timedelta(seconds=self.cfg.regroup_timeout_s),
+            )
+            base = replace(base, interface=interface)
         dist.init_process_group(
             "gloo",
             store=dist.PrefixStore("pg", keys.connect(timedelta(seconds=60))),
@@ -93,7 +176,7 @@ class Live:
         self.info = base
         if self.incarnation == 0:
             return Start(self._regroup(step=0, joining=False), None)
-        self.store.set(keys.ready(self.id), str(os.getpid()))  # the launcher admits it
+        self.store.set(keys.ready(self.id), str(os.getpid()))  # the coordinator admits it
         info = self._regroup(step=-1, joining=True)
         return Start(info, handover(None, info, self.target))
 
@@ -103,6 +186,7 @@ class Live:
         others, and the next membership begins from it."""
         while True:
             membership = begin(info, found, regroup)
+            self.state = membership.held().state
             try:
                 membership.fit()
                 return membership
@@ -137,7 +221,9 @@ class Live:
         """After a failed collective whose cause the launcher confirms (a new membership
         published within the time it takes to find a silent rank), or a regroup at a boundary:
         this rank's place in the new group, its weights standing at ``step``."""
+        self.state = None
         if not isinstance(exc, Regroup):
+            self.store.add(keys.broken(self.gen), 1)  # a member is gone: it is judged sooner
             wait = self.cfg.dead_after_s + 4 * self.cfg.heartbeat_s + 2.0
             try:
                 self.store.wait([keys.members(self.gen + 1)], timedelta(seconds=wait))
@@ -166,7 +252,7 @@ class Live:
         self._await(self.gen + 1, deadline)
         gen = keys.latest(self.store)
         while True:
-            members = keys.read_members(self.store, gen)
+            members = keys.read_members(self.store, gen).members
             if self.id not in members:
                 if not joining:
                     raise Lost(f"rank {self.id} was counted lost in membership {gen}; it leaves")
@@ -218,12 +304,13 @@ class Live:
 
     def _placed(self, rank: int, world: int) -> DistInfo:
         assert self.info is not None
+        one_host = self.info.local_world_size == self.info.world_size
         self.info = replace(
             self.info,
             rank=rank,
-            local_rank=rank,
+            local_rank=rank if one_host else self.info.local_rank,
             world_size=world,
-            local_world_size=world,
+            local_world_size=world if one_host else self.info.local_world_size,
             backend="gloo",
         )
         return self.info
