@@ -24,6 +24,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -67,8 +68,12 @@ def reached_from(host: str) -> str | None:
 
 
 class Agent:
-    def __init__(self, fn: Any, cfg: Config, run: RunInfo, store: dist.Store, master: str) -> None:
-        self.fn, self.cfg, self.run, self.store = fn, cfg, run, store
+    def __init__(
+        self, fn: Any, cfg: Config, run: RunInfo, connect: Callable[[], dist.Store], master: str
+    ) -> None:
+        """``connect``: a client of the coordinator's store (again after one went unanswered)."""
+        self.fn, self.cfg, self.run, self.connect = fn, cfg, run, connect
+        self.store: dist.Store | None = connect()
         self.ft, self.nproc = cfg.fault_tolerance, cfg.dist.nproc
         self.node, self.world = cfg.dist.node_rank, cfg.dist.nproc * cfg.dist.nnodes
         self.master = master  # host:port of the coordinator's store
@@ -80,8 +85,9 @@ class Agent:
         self.code = 0
 
     def start(self) -> None:
+        assert self.store is not None
         for local in range(self.nproc):
-            self._start(self.node * self.nproc + local)
+            self._start(self.store, self.node * self.nproc + local)
 
     def _env(self, slot: int, incarnation: int) -> dict[str, str]:
         host, _, port = self.master.rpartition(":")
@@ -100,10 +106,10 @@ class Agent:
             keys.RECORD_VAR: str(self.run.run_dir / keys.RECORD),
         }
 
-    def _start(self, slot: int) -> None:
+    def _start(self, store: dist.Store, slot: int) -> None:
         """A process in ``slot``: its first, or a replacement (within the budget)."""
-        incarnation = int(self.store.add(keys.incarnations(slot), 1)) - 1
-        if incarnation > 0 and int(self.store.add(keys.REPLACED, 1)) > self.ft.replacements:
+        incarnation = int(store.add(keys.incarnations(slot), 1)) - 1
+        if incarnation > 0 and int(store.add(keys.REPLACED, 1)) > self.ft.replacements:
             self._say(
                 f"slot {slot} is not started again: fault_tolerance.replacements="
                 f"{self.ft.replacements} are used up; the run goes on without it"
@@ -118,8 +124,10 @@ class Agent:
         member = keys.member_id(slot, incarnation)
         host = socket.gethostname()
         said = {"pid": process.pid, "host": host, "node": self.node, "address": self.address}
-        self.store.set(keys.started(member), json.dumps(said))
+        store.set(keys.started(member), json.dumps(said))
         self.running[member] = process
+        if incarnation:
+            self._say(f"slot {slot} started again (process {process.pid}); it joins the others")
 
     def _say(self, line: str) -> None:
         print(f"live agent on {socket.gethostname()} (node {self.node}): {line}", file=sys.stderr)
@@ -132,8 +140,10 @@ class Agent:
                 del self.running[member]
                 self.unsaid[member] = process.exitcode
         try:
-            self._tell()
+            self.store = self.store or self.connect()
+            self._tell(self.store)
         except (RuntimeError, dist.DistStoreError):  # cut off, or the coordinator is gone
+            self.store = None  # its connection may be half-read: a new one next look
             now = time.monotonic()
             self.unreached = self.unreached or now
             if now - self.unreached > self.ft.regroup_timeout_s:
@@ -150,27 +160,28 @@ class Agent:
         self.unreached = None
         return bool(self.running)
 
-    def _tell(self) -> None:
+    def _tell(self, store: dist.Store) -> None:
         """The exits to the coordinator (lost slots started again), its word back."""
-        if self.store.check([keys.ABORT]):
-            self.code = int(json.loads(self.store.get(keys.ABORT))["code"])
-            self.end(signal.SIGTERM)
+        if store.check([keys.ABORT]):
+            ended = json.loads(store.get(keys.ABORT))
+            self.code = int(ended["code"])
+            self.end(signal.Signals[ended["signal"]])
             return
         for member, code in list(self.unsaid.items()):
-            self.store.set(keys.exited(member), str(code))
+            store.set(keys.exited(member), str(code))
             del self.unsaid[member]
             if code < 0 or code == EXIT_FENCED:
-                self._restart(keys.parse(member)[0])
+                self._restart(store, keys.parse(member)[0])
         for member, process in self.running.items():
-            if self.store.check([keys.kill(member)]):
+            if store.check([keys.kill(member)]):
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()  # silent or stuck: it must not come back
 
-    def _restart(self, slot: int) -> None:
-        if self.store.check([keys.CLOSED]):
+    def _restart(self, store: dist.Store, slot: int) -> None:
+        if store.check([keys.CLOSED]):
             self._say(f"the run finished while slot {slot} was lost; it does not rejoin")
             return
-        self._start(slot)
+        self._start(store, slot)
 
     def end(self, sig: signal.Signals) -> None:
         """This host's ranks get ``sig``; any still there after 30 s, SIGKILL."""

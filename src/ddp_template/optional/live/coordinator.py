@@ -92,6 +92,7 @@ class Coordinator:
         self.gen, self.started = -1, time.monotonic()
         self.finished = 0
         self.looked = 0.0
+        self.lost: list[tuple[Member, str]] = []  # this look's losses, not yet published
         self.sever: set[str] = set()  # addresses of hosts gone silent, named until they rejoin
 
     @property
@@ -145,6 +146,7 @@ class Coordinator:
             key = keys.exited(member.id)
             if self.live.check([key]):
                 self._exited(member, int(self.live.get(key)))
+        self._settle()
         self._admit()
         now = time.monotonic()
         if now - self.looked < LOOK_S:
@@ -153,6 +155,7 @@ class Coordinator:
         broke = int(self.live.add(keys.broken(self.gen), 0)) > 0
         for member in list(self.members):
             self._listen(member, now, broke)
+        self._settle()
         self._judge_progress(now)
 
     def _exited(self, member: Member, code: int) -> None:
@@ -214,36 +217,60 @@ class Coordinator:
             self.write(event="stuck", slot=member.slot, incarnation=member.incarnation, still=still)
 
     def _admit(self) -> None:
-        """A slot's newest process, ready while the slot has no member: the next membership."""
+        """Each slot's newest process, ready while the slot has no member: members of the next
+        membership (those ready at one look, together: a host's ranks rejoin at once)."""
         if not self.members or self.finished:
             return
         taken = {m.slot for m in self.members}
+        ready, starting = [], set()  # starting: hosts with a process not ready yet
         for slot in range(self.world):
-            if slot in taken:
-                continue
             newest = int(self.live.add(keys.incarnations(slot), 0)) - 1
             member = keys.member_id(slot, newest)
-            if newest > 0 and self.live.check([keys.ready(member)]):
-                address = self._started(member).get("address")
-                self.sever.discard(address)
-                self.members.append(Member(member))
-                pid = self._started(member).get("pid")
-                self._publish(f"slot {slot} rejoins (process {pid})")
+            if slot in taken or newest < 1 or not self.live.check([keys.started(member)]):
+                continue
+            if self.live.check([keys.exited(member)]):  # failed before it was ready
+                continue
+            if self.live.check([keys.ready(member)]):
+                ready.append(member)
+            else:
+                starting.add(self._started(member).get("node"))
+        said = [self._started(m) for m in ready]
+        ready = [m for m, s in zip(ready, said, strict=True) if s.get("node") not in starting]
+        said = [s for s in said if s.get("node") not in starting]
+        if not ready:
+            return
+        self.sever -= {s.get("address") for s in said}
+        self.members += [Member(m) for m in ready]
+        slots = ", ".join(str(keys.parse(m)[0]) for m in ready)
+        pids = ", ".join(str(s.get("pid")) for s in said)
+        verb = "rejoin" if len(ready) > 1 else "rejoins"
+        self._publish(f"slot{'s' if len(ready) > 1 else ''} {slots} {verb} (process {pids})")
 
     def _lose(self, member: Member, why: str) -> None:
+        """``member`` is lost; the losses of one look go into one membership (``_settle``):
+        a host's ranks, lost together, leave together."""
         self.members.remove(member)
+        self.lost.append((member, why))
         self.write(event="lost", slot=member.slot, incarnation=member.incarnation, why=why)
+
+    def _settle(self) -> None:
+        if not self.lost:
+            return
+        why, more = self.lost[0][1], len(self.lost) - 1
+        slots = ", ".join(str(m.slot) for m, _ in self.lost)
+        self.lost.clear()
         if len(self.members) < self.ft.min_members:
             self.end(
                 1,
-                f"rank slot {member.slot} was lost ({why}) and {len(self.members)} of "
+                f"rank slot{'s' if more else ''} {slots} {'were' if more else 'was'} lost "
+                f"({why}) and {len(self.members)} of "
                 f"{self.world} ranks are left, fewer than fault_tolerance.min_members="
                 f"{self.ft.min_members}; the run ends here: run the same command again and it "
                 f"resumes from its last checkpoint (resume=auto).",
                 signal.SIGKILL,
                 say=True,
             )
-        self._publish(f"slot {member.slot} lost: {why}")
+        self._publish(f"slot{'s' if more else ''} {slots} lost: {why}")
 
     def end(self, code: int, why: str, sig: signal.Signals, *, say: bool = False) -> None:
         """The run ends: every agent ends its ranks with ``sig`` (``ABORT``); ``say``: the

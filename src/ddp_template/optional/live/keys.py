@@ -123,18 +123,18 @@ def publish(store: dist.Store, gen: int, ids: list[str], reason: str, sever: lis
 
 
 class Beat(NamedTuple):
-    """A heartbeat's value: its count, and where the member's training stands (its
+    """A heartbeat's value: its number, and where the member's training stands (its
     membership, its optimizer step and the micro-batches of the next step it has read)."""
 
-    count: int
+    n: int
     gen: int
     step: int
     held: int
 
     def __str__(self) -> str:
-        return f"{self.count} {self.gen} {self.step} {self.held}"
+        return f"{self.n} {self.gen} {self.step} {self.held}"
 
     @classmethod
     def parse(cls, text: str) -> Beat:
-        count, gen, step, held = (int(v) for v in text.split())
-        return cls(count, gen, step, held)
+        n, gen, step, held = (int(v) for v in text.split())
+        return cls(n, gen, step, held)

@@ -43,11 +43,19 @@ def supervise(fn: Any, cfg: Config, run: RunInfo) -> Any:
     if cfg.dist.node_rank == 0:
         world = cfg.dist.nproc * cfg.dist.nnodes
         coordinator = Coordinator(ft, world, run.run_dir / keys.RECORD, int(port))
-        store, port = coordinator.live, str(coordinator.port)
+        live, port = coordinator.live, str(coordinator.port)
+        agent = Agent(fn, cfg, run, lambda: live, f"{host}:{port}")
     else:
-        store = keys.at(host, int(port), timedelta(seconds=ft.regroup_timeout_s))
-        store.set_timeout(timedelta(seconds=REQUEST_S))
-    agent = Agent(fn, cfg, run, store, f"{host}:{port}")
+        first = keys.at(host, int(port), timedelta(seconds=ft.regroup_timeout_s))  # node 0 starts
+        first.set_timeout(timedelta(seconds=REQUEST_S))
+        clients = iter([first])
+        agent = Agent(
+            fn,
+            cfg,
+            run,
+            lambda: next(clients, None) or keys.at(host, int(port), timedelta(seconds=REQUEST_S)),
+            f"{host}:{port}",
+        )
     agent.start()
     if coordinator is not None:
         coordinator.start()
