@@ -30,7 +30,7 @@ test: install ## Run the whole test suite but the host tests (W&B offline)
 	WANDB_MODE=offline $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m "not hosts"
 
 test-hosts: install ## The multi-host tests: 2 hosts made of network namespaces (needs root)
-	WANDB_MODE=offline $(PY) -m pytest -m hosts --durations=5 tests/test_hosts.py
+	WANDB_MODE=offline $(PY) -m pytest -m hosts --durations=5 tests/test_hosts.py tests/optional/live/test_live_hosts.py
 
 test-fast: install ## Only the fast tests (no slow end-to-end runs)
 	WANDB_MODE=offline $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow and not hosts"

@@ -340,3 +340,23 @@ def last_checkpoint(out: Path, run_id: str) -> dict:
     import torch
 
     return torch.load(out / "outputs" / run_id / "checkpoints" / "last.pt", weights_only=True)
+
+
+def live_rows(run_dir: Path) -> list[dict]:
+    """fault_tolerance=live's record of the run: memberships, losses, regroups, commits."""
+    return jsonl(run_dir / "live.jsonl")
+
+
+def events(rows: list[dict], event: str) -> list[dict]:
+    return [r for r in rows if r["event"] == event]
+
+
+def verdicts(run_dir: Path) -> dict[int, tuple[int, int]]:
+    """Each epoch's verdict and its total samples, by the epoch's last step, from every
+    process's metrics (under fault_tolerance=live rank 0 moves when it dies)."""
+    found = {}
+    for path in run_dir.glob("rank*/metrics.jsonl"):
+        for row in jsonl(path):
+            if "shares/verdict_ok" in row:
+                found[row["step"]] = (row["shares/verdict_ok"], row["shares/total_samples"])
+    return found

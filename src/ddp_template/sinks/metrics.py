@@ -109,9 +109,13 @@ class RankLogger:
         return self.wandb.id if self.wandb is not None else None
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        row = fencing.stamped({"step": step, **metrics}, "a metrics row")
+        self._log_wandb(self._write({"step": step, **metrics}))
+
+    def _write(self, row: dict[str, Any]) -> dict[str, Any]:
+        """One row of this rank's metrics.jsonl, with its writer's fencing token (live)."""
+        row = fencing.stamped(row, "a metrics row")
         self.jsonl.write(json.dumps(row) + "\n")
-        self._log_wandb(row)
+        return row
 
     def _log_wandb(self, row: dict[str, Any]) -> None:
         if self._history and self.wandb is not None:
@@ -136,7 +140,7 @@ class RankLogger:
         if not self.info.is_main:
             return
         log.info("%s", line)
-        self.jsonl.write(json.dumps({"step": step, "resume": line}) + "\n")
+        self._write({"step": step, "resume": line})
         if self.wandb is not None:
             self.wandb.summary["resume"] = line
 

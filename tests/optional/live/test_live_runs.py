@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import compose_conf
-from helpers import jsonl, run, run_env, summary, train_cmd
+from helpers import events, live_rows, run, run_env, summary, train_cmd, verdicts
 from test_elastic import replayed_epoch
 
 from ddp_template.checkpoint import load
@@ -41,25 +41,6 @@ MLP = [
     "loader.batch_size=8",
     "log_every=1",
 ]
-
-
-def _live(run_dir: Path) -> list[dict]:
-    return jsonl(run_dir / "live.jsonl")
-
-
-def _events(rows: list[dict], event: str) -> list[dict]:
-    return [r for r in rows if r["event"] == event]
-
-
-def _verdicts(run_dir: Path) -> dict[int, int]:
-    """Each epoch's verdict (by its last step) and its total samples, from every process's
-    metrics (rank 0 moves when it dies)."""
-    found = {}
-    for path in run_dir.glob("rank*/metrics.jsonl"):
-        for row in jsonl(path):
-            if "shares/verdict_ok" in row:
-                found[row["step"]] = (row["shares/verdict_ok"], row["shares/total_samples"])
-    return found
 
 
 def _live_run(tmp: Path, name: str, *overrides: str) -> Path:
@@ -97,8 +78,8 @@ def killed_in_allreduce(
 def test_a_rank_killed_in_the_allreduce_is_survived_and_its_slot_rejoins(
     killed_in_allreduce: Path,
 ) -> None:
-    rows = _live(killed_in_allreduce)
-    members = _events(rows, "membership")
+    rows = live_rows(killed_in_allreduce)
+    members = events(rows, "membership")
     assert [m["members"] for m in members] == [
         ["0.0", "1.0", "2.0"],
         ["0.0", "1.0"],
@@ -106,11 +87,11 @@ def test_a_rank_killed_in_the_allreduce_is_survived_and_its_slot_rejoins(
     ], members
     for slot in ("0.0", "1.0"):  # the survivors never restarted
         assert len({m["pids"][slot] for m in members}) == 1, members
-    finished = {(r["slot"], r["incarnation"]) for r in _events(rows, "finished")}
+    finished = {(r["slot"], r["incarnation"]) for r in events(rows, "finished")}
     assert finished == {(0, 0), (1, 0), (2, 1)}, rows
-    lost = _events(rows, "lost")
+    lost = events(rows, "lost")
     assert [(r["slot"], r["why"]) for r in lost] == [(2, "killed by SIGKILL")], lost
-    regrouped = _events(rows, "regrouped")
+    regrouped = events(rows, "regrouped")
     assert [(r["world_from"], r["world_to"], r["derived_ranks"]) for r in regrouped] == [
         (3, 2, [2]),
         (2, 3, []),
@@ -121,16 +102,16 @@ def test_a_rank_killed_in_the_allreduce_is_survived_and_its_slot_rejoins(
     # boundary before reading any (under load one survivor can be a step boundary behind).
     first = regrouped[0]
     assert (first["step"], first["uncommitted_samples"]) in {(9, 16), (10, 0), (10, 8), (10, 16)}
-    committed = _events(rows, "committed")[0]
+    committed = events(rows, "committed")[0]
     assert committed["step"] == first["step"] + 1, rows
     assert committed["time"] - lost[0]["time"] < 10.0, rows
-    verdicts = _verdicts(killed_in_allreduce)
-    assert {s: ok for s, (ok, _) in verdicts.items()} == {60: 1, 120: 1}
+    epochs = verdicts(killed_in_allreduce)
+    assert {s: ok for s, (ok, _) in epochs.items()} == {60: 1, 120: 1}
     seen = replayed_epoch(killed_in_allreduce)
     assert set(seen) == set(range(N_DIGITS)), "replay misses training samples"
     # The padded mode's pads only, of the world size epoch 0's rest was dealt at (3 when the
     # replacement was admitted before the epoch ended, 2 when after): what the ledger counted.
-    pads = verdicts[60][1] - N_DIGITS
+    pads = epochs[60][1] - N_DIGITS
     assert pads in (0, 1, 2) and sum(seen.values()) - N_DIGITS == pads, seen.most_common(3)
     assert summary(killed_in_allreduce)["eval_count"] == 359
     said = [line for line in _said(killed_in_allreduce).splitlines() if "of 3:" in line]
@@ -179,15 +160,15 @@ def test_rank0_killed_as_checkpoints_start_twice_in_one_epoch(tmp_path: Path) ->
         "fault.phase=checkpoint",
         "fault.again_at_step=25",  # not a multiple of admit_every: no admission regroup there
     )
-    rows = _live(run_dir)
-    assert [r["slot"] for r in _events(rows, "lost")] == [0, 1], rows
-    regrouped = _events(rows, "regrouped")
+    rows = live_rows(run_dir)
+    assert [r["slot"] for r in events(rows, "lost")] == [0, 1], rows
+    regrouped = events(rows, "regrouped")
     assert all(r["epoch"] == 0 for r in regrouped), regrouped
     losses = [r for r in regrouped if r["derived_ranks"]]
     assert [(r["step"], r["derived_ranks"]) for r in losses] == [(5, [0]), (25, [0])], regrouped
     derived = [line for line in _said(run_dir).splitlines() if line.endswith(DERIVED)]
     assert len(derived) == 2 and all("rank 0 of" in line for line in derived), derived
-    assert [ok for ok, _ in _verdicts(run_dir).values()] == [1]
+    assert [ok for ok, _ in verdicts(run_dir).values()] == [1]
     seen = replayed_epoch(run_dir)
     assert set(seen) == set(range(N_DIGITS)) and max(seen.values()) <= 2, seen.most_common(3)
     assert summary(run_dir)["eval_count"] == 359
@@ -214,15 +195,15 @@ def test_a_rank_killed_between_steps_or_as_the_evaluation_starts(
         f"fault.crash_at_step={step}",
         f"fault.phase={phase}",
     )
-    rows = _live(run_dir)
-    assert [r["slot"] for r in _events(rows, "lost")] == [rank], rows
-    members = _events(rows, "membership")
+    rows = live_rows(run_dir)
+    assert [r["slot"] for r in events(rows, "lost")] == [rank], rows
+    members = events(rows, "membership")
     survivors = [m for m in members[0]["members"] if m != f"{rank}.0"]
     assert len({tuple(m["pids"][s] for s in survivors) for m in members}) == 1, members
-    lost = _events(rows, "regrouped")[0]
+    lost = events(rows, "regrouped")[0]
     assert (lost["step"], lost["derived_ranks"]) == (step, [rank]), lost
     assert lost["uncommitted_samples"] == uncommitted, lost
-    assert [ok for ok, _ in _verdicts(run_dir).values()] == [1]
+    assert [ok for ok, _ in verdicts(run_dir).values()] == [1]
     assert summary(run_dir)["eval_count"] == 359
 
 
@@ -238,10 +219,34 @@ def test_a_stopped_rank_is_found_by_its_heartbeat(tmp_path: Path) -> None:
         "fault.signal=SIGSTOP",
         "fault_tolerance.dead_after_s=2",
     )
-    rows = _live(run_dir)
-    lost = _events(rows, "lost")
+    rows = live_rows(run_dir)
+    lost = events(rows, "lost")
     assert [r["slot"] for r in lost] == [1] and lost[0]["why"].startswith("silent for"), rows
-    assert [ok for ok, _ in _verdicts(run_dir).values()] == [1]
+    assert [ok for ok, _ in verdicts(run_dir).values()] == [1]
+
+
+def test_a_stuck_rank_is_found_by_its_step_progress(tmp_path: Path) -> None:
+    """Rank 1 spins in a Python loop after step 4, its heartbeat thread beating on: the others
+    wait for it in step 5's all-reduce, past it. The coordinator finds its progress stopped
+    for dead_after_s (and not longer than a look past it), its agent kills it, and the others
+    regroup: the verdict ok."""
+    run_dir = _live_run(
+        tmp_path,
+        "stuck",
+        "epochs=1",
+        "fault.rank=1",
+        "fault.crash_at_step=4",
+        "fault.spin=true",
+        "fault_tolerance.dead_after_s=2",
+    )
+    rows = live_rows(run_dir)
+    stuck = events(rows, "stuck")
+    assert [r["slot"] for r in stuck] == [1] and 2.0 < stuck[0]["still"] < 2.5, stuck
+    lost = events(rows, "lost")
+    assert [r["slot"] for r in lost] == [1], rows
+    assert lost[0]["why"].startswith("stuck: no step progress for"), lost
+    assert "at step 4, 0 micro-batches read" in lost[0]["why"], lost
+    assert [ok for ok, _ in verdicts(run_dir).values()] == [1]
 
 
 def test_below_min_members_the_run_ends_in_one_sentence_and_resumes(tmp_path: Path) -> None:
@@ -266,4 +271,4 @@ def test_below_min_members_the_run_ends_in_one_sentence_and_resumes(tmp_path: Pa
     )
     assert "resumed from" in resumed.stdout + resumed.stderr
     run_dir = tmp_path / "outputs" / "floor"
-    assert [ok for ok, _ in _verdicts(run_dir).values()] == [1]
+    assert [ok for ok, _ in verdicts(run_dir).values()] == [1]
