@@ -124,6 +124,7 @@ class Agent:
         member = keys.member_id(slot, incarnation)
         host = socket.gethostname()
         said = {"pid": process.pid, "host": host, "node": self.node, "address": self.address}
+        said["time"] = time.time()
         store.set(keys.started(member), json.dumps(said))
         self.running[member] = process
         if incarnation:

@@ -92,8 +92,12 @@ class Coordinator:
         self.gen, self.started = -1, time.monotonic()
         self.finished = 0
         self.looked = 0.0
+        self.recorded: set[str] = set()  # the processes whose start is in the record
+        self.departed: set[str] = set()  # the members lost
         self.lost: list[tuple[Member, str]] = []  # this look's losses, not yet published
-        self.sever: set[str] = set()  # addresses of hosts gone silent, named until they rejoin
+        # addresses where members went silent, severed while no member is there (a single
+        # silent rank's agent kills it: its connections close)
+        self.sever: set[str] = set()
 
     @property
     def port(self) -> int:
@@ -119,13 +123,32 @@ class Coordinator:
                     say=True,
                 )
             time.sleep(LOOK_S)
+        for member in firsts:
+            self._record_start(member)
         self.members = [Member(m) for m in firsts]
         self._publish("start")
+
+    def _record_start(self, member: str) -> None:
+        """A process its agent started, into the record (once), at the time the agent said."""
+        if member in self.recorded:
+            return
+        self.recorded.add(member)
+        said = self._started(member)
+        slot, incarnation = keys.parse(member)
+        self.write(
+            event="started",
+            slot=slot,
+            incarnation=incarnation,
+            pid=said.get("pid"),
+            host=said.get("host"),
+            time=said.get("time"),
+        )
 
     def _publish(self, reason: str) -> None:
         self.gen += 1
         ids = [m.id for m in self.members]
-        keys.publish(self.live, self.gen, ids, reason, sorted(self.sever))
+        here = {self._started(i).get("address") for i in ids}
+        keys.publish(self.live, self.gen, ids, reason, sorted(self.sever - here))
         now = time.monotonic()
         for m in self.members:
             m.progress_at = now
@@ -226,8 +249,11 @@ class Coordinator:
         for slot in range(self.world):
             newest = int(self.live.add(keys.incarnations(slot), 0)) - 1
             member = keys.member_id(slot, newest)
-            if slot in taken or newest < 1 or not self.live.check([keys.started(member)]):
+            if slot in taken or newest < 1 or member in self.departed:
                 continue
+            if not self.live.check([keys.started(member)]):
+                continue
+            self._record_start(member)
             if self.live.check([keys.exited(member)]):  # failed before it was ready
                 continue
             if self.live.check([keys.ready(member)]):
@@ -239,7 +265,6 @@ class Coordinator:
         said = [s for s in said if s.get("node") not in starting]
         if not ready:
             return
-        self.sever -= {s.get("address") for s in said}
         self.members += [Member(m) for m in ready]
         slots = ", ".join(str(keys.parse(m)[0]) for m in ready)
         pids = ", ".join(str(s.get("pid")) for s in said)
@@ -250,6 +275,7 @@ class Coordinator:
         """``member`` is lost; the losses of one look go into one membership (``_settle``):
         a host's ranks, lost together, leave together."""
         self.members.remove(member)
+        self.departed.add(member.id)  # never admitted again: a new process takes its slot
         self.lost.append((member, why))
         self.write(event="lost", slot=member.slot, incarnation=member.incarnation, why=why)
 
