@@ -12,6 +12,8 @@ from ddp_template.config.boundary import typed
 from ddp_template.errors import ConfigError
 from ddp_template.run_identity import RunInfo
 
+TWO_HOSTS = ["dist.nproc=2", "dist.nnodes=2", "fault_tolerance.coordinator=node0:29400"]
+
 
 @pytest.mark.parametrize(
     ("overrides", "named"),
@@ -23,6 +25,10 @@ from ddp_template.run_identity import RunInfo
         ),
         (["dist.nproc=2", "fault_tolerance.min_members=3"], "min_members=3"),
         (["dist.nproc=2", "fault_tolerance.dead_after_s=0.5"], "dead_after_s=0.5"),
+        (["dist.nproc=2", "dist.nnodes=2"], "fault_tolerance.coordinator=<host>:<port>"),
+        (["dist.nnodes=2", "fault_tolerance.coordinator=node0"], "coordinator=node0 is not"),
+        (["dist.nnodes=2", "dist.node_rank=2", "fault_tolerance.coordinator=n:1"], "node_rank=2"),
+        ([*TWO_HOSTS, "fault_tolerance.min_members=5"], "min_members=5"),
     ],
 )
 def test_live_refuses_what_it_cannot_survive_in_one_sentence(
@@ -30,6 +36,12 @@ def test_live_refuses_what_it_cannot_survive_in_one_sentence(
 ) -> None:
     cfg = typed(compose_conf("fault_tolerance=live", "logger=none", *overrides))
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        check(cfg)
+
+
+def test_several_hosts_of_the_templates_launcher_are_the_live_modes_alone() -> None:
+    cfg = typed(compose_conf("dist.nnodes=2", "logger=none"))
+    with pytest.raises(ConfigError, match="dist.nnodes=2 starts the template's launcher"):
         check(cfg)
 
 
