@@ -84,15 +84,21 @@ def save_atomic(payload: dict[str, Any], path: Location, written: Hook | None = 
     runs once its bytes are written, before they are published (a test's fault:
     ``fault.phase=write``). Under a live membership it carries the writer's fencing token."""
 
-    held = fencing.token(f"the checkpoint {path}")  # fault_tolerance=live: still a member
+    what = f"the checkpoint {path}"
+    held = fencing.token(what)  # fault_tolerance=live: the membership it is written in
     if held is not None:
         payload = {**payload, "fence": held._asdict()}
 
     def fill(f: IO[bytes]) -> None:
         torch.save(payload, f)
 
+    def before() -> None:
+        if written is not None:
+            written(payload)
+        fencing.token(what)  # still a member as it is published: its bytes took their time
+
     folder, name = storage.parent(path)
-    folder.publish(name, fill, None if written is None else lambda: written(payload))
+    folder.publish(name, fill, before)
 
 
 class _InFlight:

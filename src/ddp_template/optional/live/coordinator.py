@@ -210,7 +210,9 @@ class Coordinator:
                 member.progress_at = now
             return
         silent = now - member.beat_at
-        if member.beat is not None and silent > silence_s(self.ft, broke) and not member.killing:
+        # never beaten yet: a process still starting, which a regroup waits for as long
+        limit = silence_s(self.ft, broke) if member.beat else self.ft.regroup_timeout_s
+        if silent > limit and not member.killing:
             member.killing = f"silent for {silent:.1f} s"
             self.live.set(keys.kill(member.id), member.killing)  # its agent, if it can hear
             address = self._started(member.id).get("address")
@@ -222,8 +224,8 @@ class Coordinator:
         """A member stuck outside any collective: its heartbeat alive, its step progress
         stopped for ``dead_after_s`` while another member of its membership is past it."""
         beats = [m.beat for m in self.members]
-        if not beats or any(b is None or b.gen != self.gen for b in beats):
-            return  # a regroup under way (or a member not beating yet): nobody is judged
+        if not beats or any(b is None or b.gen != self.gen or b.step < 0 for b in beats):
+            return  # a regroup or a build under way (or a member not beating yet): no one judged
         furthest = max((b.step, b.held) for b in beats if b is not None)
         for member in self.members:
             beat = member.beat

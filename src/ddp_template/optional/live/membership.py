@@ -2,13 +2,19 @@
 
 Every rank joins torch's reconfigurable gloo process group (``enable_reconfigure=True``; a
 process-unique rank so that a replacement's handle never collides with a dead rank's) and
-talks to the launcher through the store the launcher hosts (``live.supervisor``). The launcher
-publishes each membership as a generation ``g`` (``members/<g>``: the member ids); the members
-of ``g`` post their reconfigure handle and the step their weights stand at (``arrive/<g>/<id>``)
-and, once all have, reconfigure the group with the handles in one order every member computes
-alike: the survivors furthest on first (the new rank 0 is the one every other takes its state
-from), then by slot, replacements last. A generation that loses a member before it forms is
-superseded by the next one the launcher publishes.
+talks to the membership coordinator through the store it hosts (``live.coordinator``, in node
+0's launcher). The coordinator publishes each membership as a generation ``g`` (``members/<g>``:
+the member ids); the members of ``g`` post their reconfigure handle and the step their weights
+stand at (``arrive/<g>/<id>``) and, once all have, reconfigure the group with the handles in one
+order every member computes alike: the survivors furthest on first (the new rank 0 is the one
+every other takes its state from), then by slot, replacements last. A generation that loses a
+member before it forms is superseded by the next one the coordinator publishes.
+
+A heartbeat thread beats every ``heartbeat_s`` and whenever the rank's step progress moves, and
+reads the newest membership: one that drops this rank ends it; one that names hosts gone silent
+has their connections shut down (``connections.sever``). The rank's writes ask ``gate`` first
+(``fencing``): a token while the rank is a member and its lease stands, else it stops without
+writing; a watchdog stops it too once no beat has landed for ``dead_after_s`` (cut off).
 """
 
 from __future__ import annotations
