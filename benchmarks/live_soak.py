@@ -26,7 +26,6 @@ A'/A as the noise floor.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -43,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "src"))
 
-from helpers import Started, run_env, start, train_cmd  # noqa: E402
+from helpers import Started, jsonl, run_env, start, train_cmd, verdicts  # noqa: E402
 from hosts import Hosts, unavailable  # noqa: E402
 
 from ddp_template.replay import load_run, step_rows  # noqa: E402
@@ -71,9 +70,8 @@ FAULTS = ("sigkill", "sigstop", "host", "cut")
 
 
 def rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """``path``'s rows, none while the run has not written it yet."""
+    return jsonl(path) if path.exists() else []
 
 
 class Job:
@@ -177,15 +175,6 @@ def training_s(record: list[dict[str, Any]]) -> float:
     return last - first["time"]
 
 
-def verdicts(run_dir: Path) -> dict[int, int]:
-    found = {}
-    for path in run_dir.glob("rank*/metrics.jsonl"):
-        for row in rows(path):
-            if "shares/verdict_ok" in row:
-                found[row["step"]] = row["shares/verdict_ok"]
-    return found
-
-
 def replayed(run_dir: Path) -> dict[int, Counter]:
     """Every index replay lists, per epoch."""
     run = load_run(run_dir)
@@ -207,7 +196,7 @@ def one(hosts_out: Path, epochs: int, every: float | None, rng: random.Random) -
     record = rows(job.run_dir / "live.jsonl")
     for fault in struck:
         fault["recovery_s"] = recovery(record, fault)
-    epochs_ok = verdicts(job.run_dir)
+    epochs_ok = {step: ok for step, (ok, _) in verdicts(job.run_dir).items()}
     seen = replayed(job.run_dir)
     once = [e for e, c in seen.items() if set(c) == set(range(N_DIGITS)) and set(c.values()) == {1}]
     return {

@@ -92,6 +92,7 @@ class Coordinator:
         self.gen, self.started = -1, time.monotonic()
         self.finished = 0
         self.looked = 0.0
+        self.said: dict[str, dict[str, Any]] = {}  # member -> its agent's started/<id>
         self.recorded: set[str] = set()  # the processes whose start is in the record
         self.departed: set[str] = set()  # the members lost
         self.lost: list[tuple[Member, str]] = []  # this look's losses, not yet published
@@ -156,8 +157,13 @@ class Coordinator:
         self.write(event="membership", gen=self.gen, members=ids, pids=pids, reason=reason)
 
     def _started(self, member: str) -> dict[str, Any]:
-        key = keys.started(member)
-        return json.loads(self.live.get(key)) if self.live.check([key]) else {}
+        """Its agent's word on the process (written once): read from the store once."""
+        if member not in self.said:
+            key = keys.started(member)
+            if not self.live.check([key]):
+                return {}
+            self.said[member] = json.loads(self.live.get(key))
+        return self.said[member]
 
     @property
     def done(self) -> bool:
@@ -249,9 +255,11 @@ class Coordinator:
         taken = {m.slot for m in self.members}
         ready, starting = [], set()  # starting: hosts with a process not ready yet
         for slot in range(self.world):
+            if slot in taken:
+                continue
             newest = int(self.live.add(keys.incarnations(slot), 0)) - 1
             member = keys.member_id(slot, newest)
-            if slot in taken or newest < 1 or member in self.departed:
+            if newest < 1 or member in self.departed:
                 continue
             if not self.live.check([keys.started(member)]):
                 continue
